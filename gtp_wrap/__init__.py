@@ -1,0 +1,24 @@
+"""gtp_wrap: Generalized Tensor Parallelism for PyTorch, one call to wrap any nn.Module."""
+
+from .api import GTPWrap, no_sync, reset_stats, stats
+from .clip import clip_grad_norm_
+from .errors import ChainMismatchError, CollectiveTimeoutError, GTPError, PolicyError, WrapError
+from .policy import GTPPolicy, LayerRule
+from .state_dict import full_state_dict, load_full_state_dict
+
+__all__ = [
+    "ChainMismatchError",
+    "CollectiveTimeoutError",
+    "GTPError",
+    "GTPPolicy",
+    "GTPWrap",
+    "LayerRule",
+    "PolicyError",
+    "WrapError",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "load_full_state_dict",
+    "no_sync",
+    "reset_stats",
+    "stats",
+]

@@ -1,0 +1,104 @@
+"""The public entry points: GTPWrap and the helpers that act on a wrapped module."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .engine import GTPEngine
+from .errors import WrapError
+from .mesh import resolve_mesh
+from .parameter import ShardedParameter
+from .policy import GTPPolicy, plan_parameters, resolve_policy
+from .state_dict import install_state_dict_hooks
+
+_ENGINE_ATTR = "_gtp_engine"
+
+
+def GTPWrap(  # noqa: N802 - the product's name, used like a class
+    module: nn.Module,
+    policy: GTPPolicy | Mapping[str, Any] | str | os.PathLike | None = None,
+    *,
+    mesh: DeviceMesh | dist.ProcessGroup | None = None,
+) -> nn.Module:
+    """Shard `module`'s large weights across the GTP group, in place, and return `module`.
+
+    Args:
+        module: any nn.Module, already on its device (cuda for NCCL, cpu for gloo).
+        policy: a GTPPolicy, a mapping or OmegaConf config of its fields, a YAML file path, or
+            None for the default (shard Linear and Embedding weights of >= min_shard_numel).
+        mesh: a 1-D DeviceMesh or ProcessGroup (the GTP group), or a 2-D DeviceMesh with dims
+            ("dp", "gtp"). Default: the whole world is one GTP group.
+
+    After wrapping, the module keeps its class, methods and parameter names; outside
+    forward/backward its sharded parameters hold this rank's rows. Every use inside a forward
+    or backward sees the full weight, and after `loss.backward()` every `.grad` is reduced.
+    """
+    if hasattr(module, _ENGINE_ATTR) or any(
+        isinstance(p, ShardedParameter) for p in module.parameters()
+    ):
+        raise WrapError(
+            f"{type(module).__name__} (or a submodule) is already wrapped by GTPWrap; wrap the "
+            "unwrapped model once"
+        )
+    resolved = resolve_policy(policy)
+    plans = plan_parameters(module, resolved)
+    devices = {p.param.device for p in plans if p.shard_dim is not None}
+    if len(devices) > 1:
+        raise WrapError(
+            f"sharded parameters are on several devices {sorted(map(str, devices))}; move the "
+            "model to one device before wrapping"
+        )
+    device = devices.pop() if devices else torch.device("cpu")
+    engine = GTPEngine(module, plans, resolved, resolve_mesh(mesh, device))
+    install_state_dict_hooks(module, engine)
+    object.__setattr__(module, _ENGINE_ATTR, engine)
+    return module
+
+
+def engine_of(module: nn.Module) -> GTPEngine:
+    engine = getattr(module, _ENGINE_ATTR, None)
+    if engine is None:
+        raise WrapError(
+            f"{type(module).__name__} is not wrapped; call GTPWrap(module, policy) first"
+        )
+    return engine
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Accumulate grads over micro-batches without all-reducing replicated grads.
+
+    Sharded weight grads are still reduce-scattered each backward and accumulate in `.grad`;
+    the first backward after the context ends all-reduces the accumulated replicated grads.
+    """
+    with engine_of(module).no_sync():
+        yield
+
+
+def stats(module: nn.Module) -> dict[str, Any]:
+    """Gather and reduce counters since the last `reset_stats`: gathers, prefetched_gathers,
+    blocking_gathers (and per pass kind), bytes_gathered, bytes_reduced, peak_gathered_bytes."""
+    s = engine_of(module).stats
+    return {
+        "gathers": s.gathers,
+        "prefetched_gathers": s.prefetched_gathers,
+        "blocking_gathers": s.blocking_gathers,
+        "blocking_by_pass": dict(s.blocking_by_pass),
+        "bytes_gathered": s.bytes_gathered,
+        "bytes_reduced": s.bytes_reduced,
+        "reduce_scatters": s.reduce_scatters,
+        "peak_gathered_bytes": s.peak_gathered_bytes,
+    }
+
+
+def reset_stats(module: nn.Module) -> None:
+    """Zero the counters `stats` reports."""
+    engine_of(module).reset_stats()

@@ -1,0 +1,103 @@
+"""Reusable gather buffers: the memory full weights live in while they are used.
+
+Note: a buffer is free only when no tensor reads it anymore. Views of a gathered weight escape
+in ways no hook sees (`w = self.weight.t()` kept for later, several same-shape weights read
+before any is used, a checkpoint frame holding recomputed weights), and handing such a buffer to
+the next gather would overwrite a weight still being read. So freeness is not guessed from the
+access pattern: it is read off the storage's reference count, which counts every live view.
+Picks are deterministic (first free buffer of the right size, in creation order), so from the
+second step on the same weights land in the same buffers at the same addresses.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from .storage import ShardLayout
+
+_SETTLE_S = 1.0
+
+
+class BufferState(enum.Enum):
+    FREE = "free"  # no view alive, no gather in flight: can be handed to the next gather
+    GATHERING = "gathering"  # a gather into it is in flight and not yet consumed
+    IN_USE = "in_use"  # views of the gathered weight are alive (in autograd or user code)
+
+
+class GatherBuffer:
+    """One flat buffer of `numel` elements; its state is derived, never stored twice."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self._storage = self.tensor.untyped_storage()
+        self._baseline = self._use_count()
+        self._gathering = False
+        self.owner: ShardLayout | None = None  # the weight last gathered into it
+        self.data_ptr = self._storage.data_ptr()
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+
+    def _use_count(self) -> int:
+        return torch._C._storage_Use_Count(self._storage._cdata)
+
+    @property
+    def state(self) -> BufferState:
+        if self._gathering:
+            return BufferState.GATHERING
+        if self._use_count() > self._baseline:
+            return BufferState.IN_USE
+        return BufferState.FREE
+
+    def settle(self) -> None:
+        """Wait until the collective library has dropped its own references to the buffer.
+
+        A gloo worker thread releases the output of a finished collective a moment after
+        `wait()` returns; without this, the buffer would look in use at the next pick and the
+        pool would grow by chance instead of by need.
+        """
+        if self.tensor.device.type != "cpu":
+            return
+        deadline = time.monotonic() + _SETTLE_S
+        while self._use_count() > self._baseline and time.monotonic() < deadline:
+            time.sleep(0)
+
+
+class GatherBufferPool:
+    """Gather buffers keyed by (numel, dtype); grows only when every matching buffer is busy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._by_key: dict[tuple[int, torch.dtype], list[GatherBuffer]] = {}
+        self._by_ptr: dict[int, GatherBuffer] = {}
+
+    def reserve(self, numel: int, dtype: torch.dtype) -> GatherBuffer:
+        """A free buffer for a gather about to be issued, marked GATHERING."""
+        buffers = self._by_key.setdefault((numel, dtype), [])
+        for buf in buffers:
+            if buf.state is BufferState.FREE:
+                break
+        else:
+            buf = GatherBuffer(numel, dtype, self.device)
+            buffers.append(buf)
+            self._by_ptr[buf.data_ptr] = buf
+        buf._gathering = True
+        return buf
+
+    def hand_out(self, buf: GatherBuffer) -> None:
+        """The gather into `buf` is complete; from now on its views decide when it is free."""
+        buf._gathering = False
+        buf.settle()
+
+    def lookup(self, t: torch.Tensor) -> GatherBuffer | None:
+        """The buffer `t` is a view of, if any."""
+        if t.device != self.device:
+            return None
+        return self._by_ptr.get(t.untyped_storage().data_ptr())
+
+    def busy_bytes(self) -> int:
+        return sum(b.nbytes for b in self._by_ptr.values() if b.state is not BufferState.FREE)
+
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self._by_ptr.values())

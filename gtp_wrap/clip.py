@@ -1,0 +1,39 @@
+"""Gradient clipping by the global norm over all shards, replicated parameters counted once."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .api import engine_of
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the grads of a wrapped module in place; return the total norm before clipping.
+
+    Sharded grads are disjoint across the GTP group and identical across dp, so their part of
+    the norm is reduced over the GTP group only; replicated grads are the same on every rank
+    and enter once.
+    """
+    engine = engine_of(module)
+    with torch._C.DisableTorchFunctionSubclass():
+        sharded = [p.grad for p in engine.params if p.grad is not None]
+        sharded_ids = {id(p) for p in engine.params}
+        replicated = [
+            p.grad for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None
+        ]
+        device = engine.device
+        norm_type = float(norm_type)
+        zero = torch.zeros((), device=device)
+        local = torch.nn.utils.get_total_norm(sharded, norm_type) if sharded else zero
+        rest = torch.nn.utils.get_total_norm(replicated, norm_type) if replicated else zero
+        local, rest = local.to(device, torch.float32), rest.to(device, torch.float32)
+        if norm_type == float("inf"):
+            engine.comm.wait(engine.comm.all_reduce_max_gtp(local, "grad-norm all-reduce"))
+            total = torch.maximum(local, rest)
+        else:
+            powered = local.pow(norm_type)
+            engine.comm.wait(engine.comm.all_reduce_gtp(powered, "grad-norm all-reduce"))
+            total = (powered + rest.pow(norm_type)).pow(1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(sharded + replicated, max_norm, total)
+    return total

@@ -1,0 +1,121 @@
+"""Collectives and cross-rank agreement checks, with timeouts that name what was waited for.
+
+Every collective is issued asynchronously and completed through `Comm.wait`, the one place that
+turns a stuck collective into a CollectiveTimeoutError. On NCCL, `Work.wait()` only makes the
+current stream wait (no host sync), and a timed wait would block the host, so the process
+group's own timeout (its watchdog) applies there instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveTimeoutError
+from .mesh import GTPMesh
+
+
+@dataclasses.dataclass
+class Pending:
+    """An issued collective and a description of it for error messages."""
+
+    work: dist.Work | None
+    what: str
+
+
+class Comm:
+    """The collectives of one engine: gathers and reduce-scatters over the GTP group,
+    all-reduces over the dp group and over the world."""
+
+    def __init__(self, mesh: GTPMesh, timeout_s: float, tag: str) -> None:
+        self.mesh = mesh
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._tag = tag
+        self._exchanges = 0
+        self._timed_wait = mesh.gtp_group is not None and dist.get_backend() == "gloo"
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str) -> Pending:
+        if self.mesh.gtp_size == 1:
+            out.copy_(shard)
+            return Pending(None, what)
+        work = dist.all_gather_into_tensor(out, shard, group=self.mesh.gtp_group, async_op=True)
+        return Pending(work, what)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str) -> Pending:
+        if self.mesh.gtp_size == 1:
+            out.copy_(full)
+            return Pending(None, what)
+        work = dist.reduce_scatter_tensor(out, full, group=self.mesh.gtp_group, async_op=True)
+        return Pending(work, what)
+
+    def all_reduce_dp(self, t: torch.Tensor, what: str) -> Pending:
+        if self.mesh.dp_size == 1:
+            return Pending(None, what)
+        return Pending(dist.all_reduce(t, group=self.mesh.dp_group, async_op=True), what)
+
+    def all_reduce_gtp(self, t: torch.Tensor, what: str) -> Pending:
+        if self.mesh.gtp_size == 1:
+            return Pending(None, what)
+        return Pending(dist.all_reduce(t, group=self.mesh.gtp_group, async_op=True), what)
+
+    def all_reduce_max_gtp(self, t: torch.Tensor, what: str) -> Pending:
+        if self.mesh.gtp_size == 1:
+            return Pending(None, what)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.gtp_group, async_op=True)
+        return Pending(work, what)
+
+    def all_reduce_world(self, t: torch.Tensor, what: str) -> Pending:
+        if self.mesh.world_size == 1:
+            return Pending(None, what)
+        return Pending(dist.all_reduce(t, async_op=True), what)
+
+    def wait(self, pending: Pending) -> None:
+        if pending.work is None:
+            return
+        if not self._timed_wait:
+            pending.work.wait()
+            return
+        try:
+            pending.work.wait(self.timeout)
+        except RuntimeError as e:
+            raise CollectiveTimeoutError(
+                f"{pending.what} did not complete within {self.timeout.total_seconds():g}s: a "
+                "peer rank is missing, crashed or used its weights in another order "
+                f"(raise GTPPolicy.collective_timeout_s if the peers are just slow). Cause: {e}"
+            ) from e
+
+    def exchange(self, purpose: str, values: list[int]) -> list[list[int]]:
+        """Every world rank's `values`, through the store rather than a collective.
+
+        Note: agreement checks run exactly when ranks may have diverged. A collective issued for
+        the check could pair with a peer's stray gather and hang or mix data; the rendezvous
+        store is a separate channel, so a missing peer ends in a timeout, never a mix-up.
+        """
+        if self.mesh.world_size == 1:
+            return [values]
+        self._exchanges += 1
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"gtp_wrap/{self._tag}/{purpose}/{self._exchanges}"
+        store.set(f"{prefix}/{dist.get_rank()}", ",".join(map(str, values)))
+        keys = [f"{prefix}/{r}" for r in range(dist.get_world_size())]
+        try:
+            store.wait(keys, self.timeout)
+        except RuntimeError as e:
+            raise CollectiveTimeoutError(
+                f"ranks did not all reach the '{purpose}' check within "
+                f"{self.timeout.total_seconds():g}s: a peer rank is missing or stuck. Cause: {e}"
+            ) from e
+        out = []
+        for key in keys:
+            raw = store.get(key).decode()
+            out.append([int(v) for v in raw.split(",")] if raw else [])
+        return out
+
+
+def stable_hash(text: str) -> int:
+    """A hash that is the same in every process (Python's hash() is salted per process)."""
+    return zlib.crc32(text.encode())

@@ -1,0 +1,374 @@
+"""The GTP runtime of one wrapped module, in the order data flows through it:
+
+wrap (storage and parameters) -> forward gather along the chain -> compute -> backward
+rematerialize (saved weights are re-gathered, never kept) -> reduce-scatter of each weight
+gradient -> finalize one step later into `.grad` -> end-of-backward: last finalize, replicated
+all-reduce, chain freeze.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from .buffers import GatherBufferPool
+from .chain import Gather, PassKind, PassState, first_difference
+from .comm import Comm, Pending, stable_hash
+from .errors import ChainMismatchError, WrapError
+from .mesh import GTPMesh
+from .parameter import ShardedParameter, make_sharded_parameter
+from .policy import GTPPolicy, ParameterPlan
+from .replicated import ReplicatedGrads
+from .storage import FlatStorage, ShardLayout
+
+_engine_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters since the last reset (see gtp_wrap.stats)."""
+
+    gathers: int = 0
+    prefetched_gathers: int = 0
+    blocking_gathers: int = 0
+    bytes_gathered: int = 0
+    bytes_reduced: int = 0
+    reduce_scatters: int = 0
+    peak_gathered_bytes: int = 0
+    blocking_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedWeightView:
+    """What autograd keeps instead of a gathered weight: enough to re-gather it in backward."""
+
+    layout: ShardLayout
+    size: torch.Size
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+@dataclasses.dataclass
+class PendingReduce:
+    """A weight gradient's reduce-scatter in flight, finalized one backward step later."""
+
+    layout: ShardLayout
+    out: torch.Tensor  # the slot-sized result: the flat grad slot itself, or a staging buffer
+    direct: bool  # whether `out` is the flat grad slot (the parameter had no grad yet)
+    pending: Pending
+
+
+class GTPEngine:
+    """Owns the flat storage, the gather buffers, the chains and the hooks of one module."""
+
+    def __init__(
+        self, root: nn.Module, plans: list[ParameterPlan], policy: GTPPolicy, mesh: GTPMesh
+    ) -> None:
+        self.policy = policy
+        self.mesh = mesh
+        self.comm = Comm(mesh, policy.collective_timeout_s, tag=str(next(_engine_ids)))
+        self.stats = Stats()
+        self.step = 0
+        self.sync_replicated = True
+        self._passes: list[PassState] = []
+        self._chains: dict[PassKind, tuple[int, ...]] = {}
+        self._pending_reduce: PendingReduce | None = None
+        self._staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+
+        self._check_ranks_agree(plans)
+        sharded = [p for p in plans if p.shard_dim is not None]
+        self.device = sharded[0].param.device if sharded else torch.device("cpu")
+        self.layouts = FlatStorage.assign_offsets(
+            [(p.fqns[0], p.param.shape, p.shard_dim, p.param.dtype) for p in sharded],  # type: ignore[misc]
+            rank=mesh.gtp_rank,
+            world=mesh.gtp_size,
+            align=policy.pad_for_alignment,
+        )
+        self.fqns = [p.fqns for p in sharded]
+        self.storage = FlatStorage(self.layouts, self.device)
+        self.pool = GatherBufferPool(self.device)
+        self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]
+        self.replicated = ReplicatedGrads(
+            [p.param for p in plans if p.shard_dim is None], self.comm, self.grad_scale
+        )
+        if mesh.world_size > 1:
+            self.replicated.register(self)
+        root.register_forward_pre_hook(self._pre_forward)
+        root.register_forward_hook(self._post_forward, always_call=True)
+
+    @property
+    def grad_scale(self) -> float:
+        return 1.0 / self.mesh.world_size if self.policy.loss_reduction == "mean" else 1.0
+
+    # ---- wrap ---------------------------------------------------------------------------
+
+    def _check_ranks_agree(self, plans: list[ParameterPlan]) -> None:
+        """Every rank must plan the same parameters the same way, checked before any collective."""
+        sigs = [
+            stable_hash(f"{p.fqns[0]}|{tuple(p.param.shape)}|{p.param.dtype}|{p.shard_dim}")
+            for p in plans
+        ]
+        everyone = self.comm.exchange("wrap", sigs)
+        diff = first_difference(everyone)
+        if diff is None:
+            return
+        pos, _ = diff
+        here = plans[pos] if pos < len(plans) else None
+        what = (
+            f"'{here.fqns[0]}' (shape {tuple(here.param.shape)}, shard dim {here.shard_dim})"
+            if here
+            else "nothing"
+        )
+        raise WrapError(
+            f"ranks disagree on parameter #{pos}: this rank has {what}. Build the same model "
+            "with the same policy on every rank before wrapping"
+        )
+
+    def _shard(self, plan: ParameterPlan, lay: ShardLayout) -> ShardedParameter:
+        """Copy this rank's rows into the flat storage and register the shard view in place."""
+        flat = self.storage.params[lay.dtype]
+        with torch.no_grad():
+            lay.local_view(flat).copy_(lay.local_rows_of(plan.param.detach()))
+        param = make_sharded_parameter(lay.local_view(flat), plan.param.requires_grad, lay, self)
+        for module, name in plan.owners:
+            module._parameters[name] = param
+        return param
+
+    # ---- passes -------------------------------------------------------------------------
+
+    def intercepting(self) -> bool:
+        """Whether uses of sharded parameters see full weights now (inside a pass)."""
+        return bool(self._passes) or torch._C._current_graph_task_id() != -1
+
+    def _begin_pass(self, kind: PassKind) -> PassState:
+        state = PassState(kind, self._chains.get(kind))
+        self._passes.append(state)
+        return state
+
+    def _end_pass(self) -> None:
+        state = self._passes.pop()
+        self._drain(state)
+        if state.followed_chain() or self.mesh.gtp_size == 1:
+            return
+        everyone = self.comm.exchange(f"chain-{state.kind.value}", state.recorded)
+        diff = first_difference(everyone)
+        if diff is not None:
+            pos, entries = diff
+            names = [self.fqns[e][0] if e is not None else "<end of pass>" for e in entries]
+            per_rank = ", ".join(f"rank {r}: '{n}'" for r, n in enumerate(names))
+            raise ChainMismatchError(
+                f"ranks used their sharded weights in different orders in the {state.kind.value}"
+                f" pass of step {self.step}: use #{pos} is {per_rank}. GTP gathers weights "
+                "collectively, so every rank must run the same weights in the same order "
+                "(make data-dependent branches agree across ranks)"
+            )
+        self._chains[state.kind] = tuple(state.recorded)
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        grad = torch.is_grad_enabled()
+        state = self._begin_pass(PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD)
+        if grad:
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            state.exit_hooks = hooks
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        state = self._passes[-1]
+        if state.exit_hooks is not None:
+            state.exit_hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
+        self._end_pass()
+
+    def _ensure_backward(self) -> None:
+        if self._passes and self._passes[-1].kind is PassKind.BACKWARD:
+            return
+        self._begin_pass(PassKind.BACKWARD)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            if self._pending_reduce is not None:
+                self._finalize(self._pending_reduce)
+                self._pending_reduce = None
+            if self.sync_replicated:
+                self.replicated.finish()
+        self._end_pass()
+        self.step += 1
+
+    # ---- forward gather along the chain -------------------------------------------------
+
+    def call_with_full_weights(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run `func` with every sharded parameter among its arguments replaced by its full weight."""
+        if not self._passes:
+            self._ensure_backward()  # a checkpoint recompute: uses inside backward
+        full: dict[int, torch.Tensor] = {}
+
+        def substitute(p: ShardedParameter) -> torch.Tensor:
+            if id(p) not in full:
+                w = self.gather(p._gtp_layout)
+                if torch.is_grad_enabled() and p.requires_grad:
+                    w = _RouteGrad.apply(p, w, self, p._gtp_layout)
+                full[id(p)] = w
+            return full[id(p)]
+
+        args, kwargs = tree_map_only(ShardedParameter, substitute, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def gather(self, lay: ShardLayout) -> torch.Tensor:
+        """The logical full weight of `lay`, gathered for one use of the current pass."""
+        if self.mesh.gtp_size == 1:
+            return lay.local_view(self.storage.params[lay.dtype])
+        state = self._passes[-1]
+        if state.expects(lay.index):
+            position = state.cursor
+            state.cursor += 1
+            if state.inflight and state.inflight[0].position == position:
+                gather, blocking = state.inflight.popleft(), False
+            else:
+                gather, blocking = self._issue(lay, state, position), True
+            self._prefetch_ahead(state)
+        else:
+            if state.chain is not None and not state.diverged:
+                state.diverged = True
+                self._drain(state)
+            gather, blocking = self._issue(lay, state, None), True
+        state.recorded.append(lay.index)
+        return self._complete(gather, state, blocking)
+
+    def _issue(self, lay: ShardLayout, state: PassState, position: int | None) -> Gather:
+        buf = self.pool.reserve(lay.gathered_numel, lay.dtype)
+        buf.owner = lay
+        what = f"all-gather of '{lay.fqn}' ({state.kind.value} pass, step {self.step})"
+        pending = self.comm.all_gather(buf.tensor, lay.slot(self.storage.params[lay.dtype]), what)
+        self.stats.gathers += 1
+        self.stats.bytes_gathered += buf.nbytes
+        return Gather(lay, buf, pending, position)
+
+    def _prefetch_ahead(self, state: PassState) -> None:
+        while (position := state.next_to_prefetch(self.policy.prefetch_depth)) is not None:
+            lay = self.layouts[state.chain[position]]  # type: ignore[index]
+            state.inflight.append(self._issue(lay, state, position))
+
+    def _complete(self, gather: Gather, state: PassState, blocking: bool) -> torch.Tensor:
+        self.comm.wait(gather.pending)
+        self.pool.hand_out(gather.buffer)
+        full = gather.layout.full_view(gather.buffer.tensor)
+        if blocking:
+            self.stats.blocking_gathers += 1
+            key = state.kind.value
+            self.stats.blocking_by_pass[key] = self.stats.blocking_by_pass.get(key, 0) + 1
+        else:
+            self.stats.prefetched_gathers += 1
+        self.stats.peak_gathered_bytes = max(
+            self.stats.peak_gathered_bytes, self.pool.busy_bytes()
+        )
+        return full
+
+    def _drain(self, state: PassState) -> None:
+        """Complete the gathers still in flight so their buffers return to the pool."""
+        while state.inflight:
+            gather = state.inflight.popleft()
+            self.comm.wait(gather.pending)
+            self.pool.hand_out(gather.buffer)
+
+    # ---- backward rematerialize ---------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.layout is not torch.strided or t.device != self.device or t.is_meta:
+            return t
+        try:
+            buf = self.pool.lookup(t)
+        except RuntimeError:  # a tensor without storage (a wrapper subclass)
+            return t
+        if buf is None:
+            return t
+        return SavedWeightView(buf.owner, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, SavedWeightView):
+            return saved
+        self._ensure_backward()
+        full = self.gather(saved.layout)
+        return full.as_strided(saved.size, saved.stride, saved.storage_offset)
+
+    # ---- reduce-scatter and finalize ----------------------------------------------------
+
+    def reduce_grad(self, lay: ShardLayout, grad: torch.Tensor) -> None:
+        """Reduce-scatter one use's full weight gradient; finalize the previous one."""
+        self._ensure_backward()
+        with torch._C.DisableTorchFunctionSubclass():
+            param = self.params[lay.index]
+            prev = self._pending_reduce
+            direct = param.grad is None and (prev is None or prev.layout is not lay)
+            out = lay.slot(self.storage.grads[lay.dtype]) if direct else self._take_staging(lay)
+            full = lay.padded_rows_view(grad.to(lay.dtype))
+            what = f"reduce-scatter of the gradient of '{lay.fqn}' (step {self.step})"
+            self._pending_reduce = PendingReduce(
+                lay, out, direct, self.comm.reduce_scatter(out, full, what)
+            )
+            self.stats.reduce_scatters += 1
+            self.stats.bytes_reduced += full.numel() * full.element_size()
+            if prev is not None:
+                self._finalize(prev)
+
+    def _take_staging(self, lay: ShardLayout) -> torch.Tensor:
+        free = self._staging.setdefault((lay.slot_numel, lay.dtype), [])
+        if free:
+            return free.pop()
+        return torch.empty(lay.slot_numel, dtype=lay.dtype, device=self.device)
+
+    def _finalize(self, pr: PendingReduce) -> None:
+        """Complete a reduce-scatter, reduce over dp, scale, and land it in the shard's grad."""
+        lay = pr.layout
+        self.comm.wait(pr.pending)
+        self.comm.wait(self.comm.all_reduce_dp(pr.out, f"dp all-reduce of '{lay.fqn}' grad"))
+        if self.grad_scale != 1.0:
+            pr.out.mul_(self.grad_scale)
+        param = self.params[lay.index]
+        if pr.direct:
+            param.grad = lay.local_view(self.storage.grads[lay.dtype])
+        else:
+            local = pr.out[: lay.local_rows * lay.row_numel].view(lay.local_rows, *lay.rest)
+            if param.grad is None:
+                param.grad = lay.local_view(self.storage.grads[lay.dtype])
+                param.grad.copy_(local.movedim(0, lay.dim))
+            else:
+                param.grad.add_(local.movedim(0, lay.dim))
+            self._staging[(lay.slot_numel, lay.dtype)].append(pr.out)
+
+    # ---- helpers for the public API -----------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync_replicated = False
+        try:
+            yield
+        finally:
+            self.sync_replicated = True
+
+    def reset_stats(self) -> None:
+        self.stats = Stats()
+
+
+class _RouteGrad(torch.autograd.Function):
+    """Identity on the gathered weight whose backward sends the full grad to the reduce-scatter.
+
+    The shard parameter is an input only so the output requires grad; no gradient flows to it
+    through autograd: the engine writes `.grad` itself when the reduce-scatter is finalized.
+    """
+
+    @staticmethod
+    def forward(ctx, param, full, engine, layout):  # type: ignore[override]
+        ctx.engine, ctx.layout = engine, layout
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.engine.reduce_grad(ctx.layout, grad)
+        return None, None, None, None

@@ -1,0 +1,23 @@
+"""Exceptions a user of gtp_wrap can cause. Each message names the cause and the fix."""
+
+from __future__ import annotations
+
+
+class GTPError(Exception):
+    """Base class of every error gtp_wrap raises on purpose."""
+
+
+class PolicyError(GTPError, ValueError):
+    """The sharding policy is invalid or does not fit the module (raised before any collective)."""
+
+
+class WrapError(GTPError, RuntimeError):
+    """The module or mesh cannot be wrapped as asked (raised before any collective)."""
+
+
+class ChainMismatchError(GTPError, RuntimeError):
+    """Ranks used their sharded weights in different orders, so their collectives would not pair."""
+
+
+class CollectiveTimeoutError(GTPError, RuntimeError):
+    """A collective did not complete in time: a peer rank is missing, crashed or diverged."""

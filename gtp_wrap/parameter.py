@@ -1,0 +1,86 @@
+"""The registered parameter of a sharded weight: the local shard, plus interception of its uses.
+
+Note: a sharded weight can be read anywhere: in its own module's forward, in a parent's forward
+(a tied output head reading the embedding), as a view kept for later, inside a checkpointed
+region's recompute. Module hooks only see the first of these. A parameter subclass sees them
+all: while a pass runs, every torch function that takes the parameter is handed the gathered
+full weight instead. Outside passes (optimizer steps, state dicts, user code) it is an ordinary
+parameter holding the local shard, so `named_parameters()` and any optimizer work unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+if TYPE_CHECKING:
+    from .engine import GTPEngine
+    from .storage import ShardLayout
+
+# Shape queries answer with the logical full shape during a pass, without a gather.
+_SHAPE_FUNCS = frozenset(
+    {
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.ndimension,
+        torch.Tensor.numel,
+        torch.Tensor.nelement,
+        torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+    }
+)
+_ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
+
+
+class ShardedParameter(nn.Parameter):
+    """A parameter holding this rank's rows of a sharded weight (see module docstring)."""
+
+    _gtp_layout: ShardLayout
+    _gtp_engine: GTPEngine
+    _gtp_meta: torch.Tensor  # the logical full shape, on the meta device
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        engine = _engine_of(args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            if engine is None or not engine.intercepting():
+                return func(*args, **kwargs)
+            if func in _SHAPE_FUNCS:
+                args, kwargs = tree_map_only(ShardedParameter, _meta, (args, kwargs))
+                return func(*args, **kwargs)
+            if getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
+                return func(*args, **kwargs)
+            return engine.call_with_full_weights(func, args, kwargs)
+
+
+def _meta(p: ShardedParameter) -> torch.Tensor:
+    return p._gtp_meta
+
+
+def _engine_of(args: tuple, kwargs: dict) -> GTPEngine | None:
+    for a in args:
+        if type(a) is ShardedParameter:
+            return a._gtp_engine
+    found: list[GTPEngine] = []
+
+    def visit(p: ShardedParameter) -> ShardedParameter:
+        found.append(p._gtp_engine)
+        return p
+
+    tree_map_only(ShardedParameter, visit, (args, kwargs))
+    return found[0] if found else None
+
+
+def make_sharded_parameter(
+    data: torch.Tensor, requires_grad: bool, layout: ShardLayout, engine: GTPEngine
+) -> ShardedParameter:
+    """Register `data` (a view into the flat storage) as the parameter of `layout`."""
+    p = ShardedParameter(data, requires_grad=requires_grad)
+    p._gtp_layout = layout
+    p._gtp_engine = engine
+    p._gtp_meta = torch.empty(layout.shape, dtype=layout.dtype, device="meta")
+    return p

@@ -1,0 +1,113 @@
+"""Gradients of replicated parameters: all-reduced over every data rank in coalesced buckets.
+
+A bucket launches its all-reduce as soon as all its parameters have accumulated their grad in
+this backward, so it overlaps the rest of backward; buckets still waiting when backward ends
+launch then. Each bucket carries one extra element per parameter counting the ranks that had a
+grad, so a parameter no rank used keeps `.grad = None` exactly like in unsharded training.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .comm import Comm, Pending
+
+if TYPE_CHECKING:
+    from .engine import GTPEngine
+
+_BUCKET_BYTES = 25 << 20
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        total = sum(self.sizes)
+        p0 = params[0]
+        self.flat = torch.zeros(total + len(params), dtype=p0.dtype, device=p0.device)
+        self.flags = self.flat[total:]
+        self.ready: set[int] = set()
+        self.locally_missing = False  # reading the flags costs a host sync: only when needed
+        self.pending: Pending | None = None
+
+
+class ReplicatedGrads:
+    """Bucketed, overlapped all-reduce of the replicated parameters' grads."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Comm, scale: float) -> None:
+        self.comm = comm
+        self.scale = scale
+        trainable = [p for p in params if p.requires_grad]
+        self.buckets: list[_Bucket] = []
+        # Grads become ready roughly in reverse registration order, so buckets follow it.
+        groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in reversed(trainable):
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        for group in groups.values():
+            current: list[nn.Parameter] = []
+            nbytes = 0
+            for p in group:
+                current.append(p)
+                nbytes += p.numel() * p.element_size()
+                if nbytes >= _BUCKET_BYTES:
+                    self.buckets.append(_Bucket(current))
+                    current, nbytes = [], 0
+            if current:
+                self.buckets.append(_Bucket(current))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    def register(self, engine: GTPEngine) -> None:
+        def on_grad(p: torch.Tensor) -> None:
+            if not engine.sync_replicated:
+                return
+            engine._ensure_backward()
+            bucket = self._bucket_of[id(p)]
+            bucket.ready.add(id(p))
+            if len(bucket.ready) == len(bucket.params) and bucket.pending is None:
+                self._launch(bucket)
+
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(on_grad)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        offset = 0
+        bucket.locally_missing = any(p.grad is None for p in bucket.params)
+        for i, (p, n) in enumerate(zip(bucket.params, bucket.sizes)):
+            view = bucket.flat[offset : offset + n]
+            if p.grad is None:
+                view.zero_()
+                bucket.flags[i] = 0
+            else:
+                view.copy_(p.grad.reshape(-1))
+                bucket.flags[i] = 1
+            offset += n
+        bucket.pending = self.comm.all_reduce_world(
+            bucket.flat, f"all-reduce of replicated grads ({len(bucket.params)} parameters)"
+        )
+
+    def finish(self) -> None:
+        """Launch the buckets still waiting, then land every reduced grad in `.grad`."""
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                self.comm.wait(bucket.pending)
+            if self.scale != 1.0:
+                bucket.flat[: len(bucket.flat) - len(bucket.params)].mul_(self.scale)
+            has_grad = bucket.flags.tolist() if bucket.locally_missing else [1] * len(bucket.params)
+            offset = 0
+            for p, n, flag in zip(bucket.params, bucket.sizes, has_grad):
+                reduced = bucket.flat[offset : offset + n].view_as(p)
+                if flag > 0:
+                    if p.grad is None:
+                        p.grad = reduced.clone()
+                    else:
+                        p.grad.copy_(reduced)
+                offset += n
+            bucket.ready.clear()
+            bucket.pending = None

@@ -1,0 +1,124 @@
+"""Flat sharded storage: where each rank's row blocks of the sharded weights live.
+
+A weight of logical shape S sharded along dim d is viewed with d moved to the front as
+(rows, *rest). It is split into blocks of `rows_per_rank = ceil(rows / N)` rows (torch.chunk's
+split, so the local block is exactly DTensor's Shard(d) local tensor). Each rank stores its block
+in a slot of `rows_per_rank * row_numel` elements of one flat tensor per dtype; the rows past the
+logical end (the last ranks' padding) are zeros that no parameter view covers. An all-gather of
+the slots therefore yields the padded full weight contiguously, and the logical weight is its
+first `rows` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+_ALIGN_BYTES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """Where one sharded weight lives: its logical shape and its slot in the flat storage."""
+
+    index: int
+    fqn: str
+    shape: torch.Size
+    dim: int
+    rank: int
+    world: int
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[self.dim]
+
+    @property
+    def rest(self) -> tuple[int, ...]:
+        return tuple(s for i, s in enumerate(self.shape) if i != self.dim)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.rest)
+
+    @property
+    def rows_per_rank(self) -> int:
+        return -(-self.rows // self.world)
+
+    @property
+    def local_rows(self) -> int:
+        start = self.rank * self.rows_per_rank
+        return max(0, min(self.rows_per_rank, self.rows - start))
+
+    @property
+    def slot_numel(self) -> int:
+        return self.rows_per_rank * self.row_numel
+
+    @property
+    def gathered_numel(self) -> int:
+        return self.world * self.slot_numel
+
+    @property
+    def padded_rows(self) -> int:
+        return self.world * self.rows_per_rank
+
+    def slot(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's whole slot (its rows plus any padding rows): what a collective moves."""
+        return flat[self.offset : self.offset + self.slot_numel]
+
+    def local_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows in the weight's logical layout: the registered parameter."""
+        n = self.local_rows * self.row_numel
+        block = flat[self.offset : self.offset + n].view(self.local_rows, *self.rest)
+        return block.movedim(0, self.dim)
+
+    def full_view(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The logical full weight inside a gathered (padded) buffer."""
+        full = gathered[: self.rows * self.row_numel].view(self.rows, *self.rest)
+        return full.movedim(0, self.dim)
+
+    def local_rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a logical full tensor, in the logical layout (for loading)."""
+        start = self.rank * self.rows_per_rank
+        return full.movedim(self.dim, 0)[start : start + self.local_rows].movedim(0, self.dim)
+
+    def padded_rows_view(self, full: torch.Tensor) -> torch.Tensor:
+        """A contiguous (padded_rows * row_numel,) copy or view of a logical full tensor."""
+        moved = full.movedim(self.dim, 0)
+        pad = self.padded_rows - self.rows
+        if pad:
+            moved = torch.cat([moved, moved.new_zeros((pad, *self.rest))])
+        return moved.reshape(-1)
+
+
+class FlatStorage:
+    """One flat tensor per dtype holding this rank's slots of every sharded weight, and a flat
+    gradient tensor of the same layout that the parameters' `.grad` views point into."""
+
+    def __init__(self, layouts: list[ShardLayout], device: torch.device) -> None:
+        self.params: dict[torch.dtype, torch.Tensor] = {}
+        self.grads: dict[torch.dtype, torch.Tensor] = {}
+        for dtype in dict.fromkeys(lay.dtype for lay in layouts):
+            numel = max((lay.offset + lay.slot_numel for lay in layouts if lay.dtype == dtype))
+            self.params[dtype] = torch.zeros(numel, dtype=dtype, device=device)
+            self.grads[dtype] = torch.zeros(numel, dtype=dtype, device=device)
+
+    @staticmethod
+    def assign_offsets(
+        shapes: list[tuple[str, torch.Size, int, torch.dtype]], rank: int, world: int, align: bool
+    ) -> list[ShardLayout]:
+        """Lay the slots out back to back per dtype, each start aligned when asked."""
+        ends: dict[torch.dtype, int] = {}
+        layouts = []
+        for index, (fqn, shape, dim, dtype) in enumerate(shapes):
+            offset = ends.get(dtype, 0)
+            if align:
+                step = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+                offset = -(-offset // step) * step
+            lay = ShardLayout(index, fqn, shape, dim, rank, world, dtype, offset)
+            ends[dtype] = offset + lay.slot_numel
+            layouts.append(lay)
+        return layouts
