@@ -17,16 +17,20 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     """
     engine = engine_of(module)
     with torch._C.DisableTorchFunctionSubclass():
-        sharded = [p.grad for p in engine.params if p.grad is not None]
         sharded_ids = {id(p) for p in engine.params}
+        sharded = [p for p in engine.params if p.grad is not None]
         replicated = [
-            p.grad for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None
+            p for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None
         ]
         device = engine.device
         norm_type = float(norm_type)
         zero = torch.zeros((), device=device)
-        local = torch.nn.utils.get_total_norm(sharded, norm_type) if sharded else zero
-        rest = torch.nn.utils.get_total_norm(replicated, norm_type) if replicated else zero
+        local = torch.nn.utils.get_total_norm([p.grad for p in sharded], norm_type) if sharded else zero
+        rest = (
+            torch.nn.utils.get_total_norm([p.grad for p in replicated], norm_type)
+            if replicated
+            else zero
+        )
         local, rest = local.to(device, torch.float32), rest.to(device, torch.float32)
         if norm_type == float("inf"):
             engine.comm.wait(engine.comm.all_reduce_max_gtp(local, "grad-norm all-reduce"))

@@ -74,13 +74,14 @@ class Comm:
         return Pending(dist.all_reduce(t, async_op=True), what)
 
     def wait(self, pending: Pending) -> None:
-        if pending.work is None:
+        work, pending.work = pending.work, None  # a finished Work still references its tensors
+        if work is None:
             return
         if not self._timed_wait:
-            pending.work.wait()
+            work.wait()
             return
         try:
-            pending.work.wait(self.timeout)
+            work.wait(self.timeout)
         except RuntimeError as e:
             raise CollectiveTimeoutError(
                 f"{pending.what} did not complete within {self.timeout.total_seconds():g}s: a "

@@ -1,0 +1,55 @@
+"""The one way tests start ranks: spawned gloo processes on CPU, with a deadline.
+
+`run_ranks(fn, world)` runs `fn(rank, world, *args)` on `world` spawned processes joined in one
+gloo group (a FileStore in a temp dir, so parallel tests never fight over ports) and returns
+each rank's return value. A rank that raises fails the test with its traceback; ranks still
+running at the deadline are killed and the test fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world: int, store_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world
+    )
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(store_dir, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 240.0) -> list[Any]:
+    with tempfile.TemporaryDirectory() as store_dir:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world, store_dir, args), nprocs=world, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f}s")
+        return [
+            torch.load(os.path.join(store_dir, f"result{r}.pt"), weights_only=True)
+            for r in range(world)
+        ]
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Callable[..., list[Any]]:
+    return run_ranks
