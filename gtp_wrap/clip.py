@@ -25,7 +25,9 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         device = engine.device
         norm_type = float(norm_type)
         zero = torch.zeros((), device=device)
-        local = torch.nn.utils.get_total_norm([p.grad for p in sharded], norm_type) if sharded else zero
+        local = (
+            torch.nn.utils.get_total_norm([p.grad for p in sharded], norm_type) if sharded else zero
+        )
         rest = (
             torch.nn.utils.get_total_norm([p.grad for p in replicated], norm_type)
             if replicated

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -152,8 +153,17 @@ class GTPEngine:
         self._passes.append(state)
         return state
 
-    def _end_pass(self) -> None:
+    def _end_pass(self, failed: bool = False) -> None:
+        """Close the current pass; record its chain (checked across ranks) if it changed.
+
+        A pass that failed (an exception is propagating) records nothing: its uses stopped
+        part-way, and its peers learn of the failure by timing out at their own check.
+        """
         state = self._passes.pop()
+        if failed:
+            with contextlib.suppress(Exception):
+                self._drain(state)
+            return
         self._drain(state)
         if state.followed_chain() or self.mesh.gtp_size == 1:
             return
@@ -183,7 +193,8 @@ class GTPEngine:
         state = self._passes[-1]
         if state.exit_hooks is not None:
             state.exit_hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
-        self._end_pass()
+        # always_call hooks run inside forward's `except` clause when forward raised.
+        self._end_pass(failed=sys.exc_info()[1] is not None)
 
     def _ensure_backward(self) -> None:
         if self._passes and self._passes[-1].kind is PassKind.BACKWARD:
@@ -204,7 +215,7 @@ class GTPEngine:
     # ---- forward gather along the chain -------------------------------------------------
 
     def call_with_full_weights(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run `func` with every sharded parameter among its arguments replaced by its full weight."""
+        """Run `func` with each sharded parameter among its args replaced by the full weight."""
         if not self._passes:
             self._ensure_backward()  # a checkpoint recompute: uses inside backward
         full: dict[int, torch.Tensor] = {}
@@ -265,9 +276,7 @@ class GTPEngine:
             self.stats.blocking_by_pass[key] = self.stats.blocking_by_pass.get(key, 0) + 1
         else:
             self.stats.prefetched_gathers += 1
-        self.stats.peak_gathered_bytes = max(
-            self.stats.peak_gathered_bytes, self.pool.busy_bytes()
-        )
+        self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.pool.busy_bytes())
         return full
 
     def _drain(self, state: PassState) -> None:

@@ -64,13 +64,21 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None, device: torch.devi
         )
     if mesh.ndim == 1:
         return GTPMesh(
-            mesh, mesh.get_group(0), None,
-            gtp_rank=mesh.get_local_rank(0), gtp_size=mesh.size(0), dp_size=1,
+            mesh,
+            mesh.get_group(0),
+            None,
+            gtp_rank=mesh.get_local_rank(0),
+            gtp_size=mesh.size(0),
+            dp_size=1,
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names == ("dp", "gtp"):
         return GTPMesh(
-            mesh, mesh.get_group("gtp"), mesh.get_group("dp"),
-            gtp_rank=mesh.get_local_rank("gtp"), gtp_size=mesh.size(1), dp_size=mesh.size(0),
+            mesh,
+            mesh.get_group("gtp"),
+            mesh.get_group("dp"),
+            gtp_rank=mesh.get_local_rank("gtp"),
+            gtp_size=mesh.size(1),
+            dp_size=mesh.size(0),
         )
     raise WrapError(
         f"a mesh of {mesh.ndim} dims named {mesh.mesh_dim_names} is not supported; use a 1-D "

@@ -108,9 +108,7 @@ class GTPPolicy:
                 f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}"
             )
         if self.collective_timeout_s <= 0:
-            raise PolicyError(
-                f"collective_timeout_s must be > 0, got {self.collective_timeout_s}"
-            )
+            raise PolicyError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
 
 
 def _coerce_rule(rule: Any) -> LayerRule:
@@ -127,7 +125,7 @@ def _coerce_rule(rule: Any) -> LayerRule:
 
 
 def resolve_policy(policy: GTPPolicy | Mapping[str, Any] | str | os.PathLike | None) -> GTPPolicy:
-    """Turn any accepted policy form (policy, mapping, DictConfig, YAML path, None) into a GTPPolicy."""
+    """Turn any accepted form (policy, mapping, DictConfig, YAML path, None) into a GTPPolicy."""
     if policy is None:
         return GTPPolicy()
     if isinstance(policy, GTPPolicy):
@@ -167,7 +165,9 @@ def _load_yaml(path: str) -> Mapping[str, Any]:
     try:
         from omegaconf import OmegaConf
     except ImportError as e:
-        raise PolicyError("loading a policy from YAML needs omegaconf: pip install omegaconf") from e
+        raise PolicyError(
+            "loading a policy from YAML needs omegaconf: pip install omegaconf"
+        ) from e
     data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if not isinstance(data, Mapping):
         raise PolicyError(f"policy file {path!r} must hold a mapping of GTPPolicy fields")

@@ -22,7 +22,7 @@ def _placements(engine: GTPEngine, dim: int) -> list:
 
 
 def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
-    """Make `root.state_dict()` return DTensors and `load_state_dict` accept them or full tensors."""
+    """Make `state_dict()` return DTensors and `load_state_dict` accept them or full tensors."""
 
     def to_dtensors(module: nn.Module, sd: dict, prefix: str, _meta: Any) -> None:
         if engine.mesh.device_mesh is None:

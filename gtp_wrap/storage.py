@@ -102,7 +102,7 @@ class FlatStorage:
         self.params: dict[torch.dtype, torch.Tensor] = {}
         self.grads: dict[torch.dtype, torch.Tensor] = {}
         for dtype in dict.fromkeys(lay.dtype for lay in layouts):
-            numel = max((lay.offset + lay.slot_numel for lay in layouts if lay.dtype == dtype))
+            numel = max(lay.offset + lay.slot_numel for lay in layouts if lay.dtype == dtype)
             self.params[dtype] = torch.zeros(numel, dtype=dtype, device=device)
             self.grads[dtype] = torch.zeros(numel, dtype=dtype, device=device)
 

@@ -35,7 +35,10 @@ def _entry(rank: int, fn: Callable, world: int, store_dir: str, args: tuple) -> 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 240.0) -> list[Any]:
     with tempfile.TemporaryDirectory() as store_dir:
         ctx = mp.start_processes(
-            _entry, args=(fn, world, store_dir, args), nprocs=world, join=False,
+            _entry,
+            args=(fn, world, store_dir, args),
+            nprocs=world,
+            join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout

@@ -95,16 +95,15 @@ def _model(case: Case) -> nn.Module:
 
 def _train(case: Case, model: nn.Module, rank: int, world: int, wrapped: bool) -> dict:
     """The training loop both sides run; the wrapped side sees its slice of every batch."""
+    device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     out: dict[str, list] = {"losses": [], "evals": [], "norms": []}
-    per_rank = GLOBAL_BATCH // world
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
     for step in range(STEPS):
         opt.zero_grad()
         total = 0.0
         for micro in range(case.micro_batches):
-            x, y = _batch(case, step, micro)
-            if wrapped:
-                x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+            x, y = (t[rows].to(device) for t in _batch(case, step, micro))
             last = micro == case.micro_batches - 1
             sync = contextlib.nullcontext() if (last or not wrapped) else gtp_wrap.no_sync(model)
             with sync:
@@ -113,13 +112,17 @@ def _train(case: Case, model: nn.Module, rank: int, world: int, wrapped: bool) -
             total += loss.item()
         out["losses"].append(total)
         if case.clip is not None:
-            clip = gtp_wrap.clip_grad_norm_ if wrapped else torch.nn.utils.clip_grad_norm_
-            out["norms"].append(float(clip(model, case.clip) if wrapped else clip(model.parameters(), case.clip)))
+            norm = (
+                gtp_wrap.clip_grad_norm_(model, case.clip)
+                if wrapped
+                else torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+            )
+            out["norms"].append(float(norm))
         opt.step()
         if case.eval_between:
             model.eval()
             with torch.no_grad():
-                out["evals"].append(model(_batch(case, 99, 0)[0]))
+                out["evals"].append(model(_batch(case, 99, 0)[0].to(device)).cpu())
             model.train()
     return out
 

@@ -1,0 +1,137 @@
+"""Every error a user can cause ends in its documented exception, naming the cause, never a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from gtp_wrap import (
+    ChainMismatchError,
+    CollectiveTimeoutError,
+    GTPPolicy,
+    GTPWrap,
+    LayerRule,
+    PolicyError,
+    WrapError,
+)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+
+def test_unknown_action() -> None:
+    with pytest.raises(PolicyError, match="unknown action 'split'"):
+        LayerRule(match="Linear", action="split")  # type: ignore[arg-type]
+    with pytest.raises(PolicyError, match="unknown action"):
+        GTPWrap(_mlp(), {"rules": [{"match": "Linear", "action": "explode"}]})
+
+
+def test_strict_rule_matching_nothing() -> None:
+    policy = GTPPolicy(rules=(LayerRule("Linear"), LayerRule("Conv3d", strict=True)))
+    with pytest.raises(PolicyError, match="strict rule 'Conv3d' matched no parameter"):
+        GTPWrap(_mlp(), policy)
+
+
+def test_wrapping_twice() -> None:
+    model = GTPWrap(_mlp(), {"min_shard_numel": 0})
+    with pytest.raises(WrapError, match="already wrapped"):
+        GTPWrap(model)
+    outer = nn.Sequential(model)
+    with pytest.raises(WrapError, match="already wrapped"):
+        GTPWrap(outer)
+
+
+def test_shard_dim_out_of_range() -> None:
+    with pytest.raises(PolicyError, match=r"shards '0.weight' along dim 2.*shape \(8, 8\)"):
+        GTPWrap(_mlp(), GTPPolicy(rules=(LayerRule("Linear", dim=2),), min_shard_numel=0))
+    with pytest.raises(PolicyError, match="dim >= 0"):
+        LayerRule("Linear", dim=-1)
+
+
+def test_invalid_policy_fields_and_files(tmp_path) -> None:
+    with pytest.raises(PolicyError, match=r"unknown GTPPolicy field\(s\) \['min_shard'\]"):
+        GTPWrap(_mlp(), {"min_shard": 3})
+    with pytest.raises(PolicyError, match="does not exist"):
+        GTPWrap(_mlp(), str(tmp_path / "missing.yaml"))
+    with pytest.raises(PolicyError, match="loss_reduction"):
+        GTPPolicy(loss_reduction="max")  # type: ignore[arg-type]
+
+
+def test_mesh_without_distributed() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(WrapError, match="not initialized"):
+        GTPWrap(_mlp(), mesh=object())  # type: ignore[arg-type]
+
+
+class _RankOrder(nn.Module):
+    """Uses its two same-shape weights in a rank-dependent order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.a, self.b) if dist.get_rank() == 0 else (self.b, self.a)
+        return second(first(x))
+
+
+def _caught(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _bad_inputs(rank: int, world: int) -> dict:
+    out = {}
+    sub = dist.new_group([0])
+    out["mesh_size"] = _caught(lambda: GTPWrap(_mlp(), mesh=sub))
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("gtp", "dp"))
+    out["mesh_names"] = _caught(lambda: GTPWrap(_mlp(), mesh=mesh))
+    width = 8 if rank == 0 else 6
+    out["models_differ"] = _caught(lambda: GTPWrap(nn.Linear(4, width), {"min_shard_numel": 0}))
+    torch.manual_seed(0)
+    model = GTPWrap(_RankOrder(), {"min_shard_numel": 0, "collective_timeout_s": 20})
+    out["chain"] = _caught(lambda: model(torch.randn(2, 8)))
+    return out
+
+
+def test_bad_inputs_across_ranks() -> None:
+    results = run_ranks(_bad_inputs, 2, timeout=120)
+    for out in results:
+        assert out["mesh_size"].startswith("WrapError"), out["mesh_size"]
+        assert "mesh_dim_names=('dp', 'gtp')" in out["mesh_names"], out["mesh_names"]
+        assert out["models_differ"].startswith("WrapError: ranks disagree on parameter #0")
+        assert out["chain"].startswith("ChainMismatchError"), out["chain"]
+        assert "use #0 is rank 0: 'a.weight', rank 1: 'b.weight'" in out["chain"]
+    assert "spans 1 ranks but the world has 2" in results[0]["mesh_size"]
+
+
+def _missing_peer(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0, "collective_timeout_s": 2})
+    if rank == 1:
+        time.sleep(4)  # rank 1 is late: rank 0's gather must time out, not hang
+    return _caught(lambda: model(torch.randn(2, 8)))
+
+
+def test_missing_peer_times_out_naming_the_weight() -> None:
+    rank0, rank1 = run_ranks(_missing_peer, 2, timeout=120)
+    assert rank0.startswith(CollectiveTimeoutError.__name__), rank0
+    assert "all-gather of 'weight' (forward pass, step 0) did not complete within 2s" in rank0
+    # The late rank finds rank 0 gone (at its gather, or at the chain check rank 0 never
+    # reaches): an error on every rank, a hang on none.
+    assert rank1.startswith(CollectiveTimeoutError.__name__), rank1
+
+
+def test_chain_error_type_is_exported() -> None:
+    assert issubclass(ChainMismatchError, RuntimeError)

@@ -1,0 +1,68 @@
+"""Overlap and memory counters: one blocking gather per pass direction after the first step,
+and gathered memory bounded by the prefetch depth, not the model's depth."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from conftest import run_ranks
+from models import DeepMLP, TinyGPT
+
+import gtp_wrap
+from gtp_wrap import GTPWrap
+
+STEPS = 3  # counters are reset after the first step, so they cover STEPS - 1 steps
+
+
+def _train_and_count(rank: int, world: int, model_name: str, layers: int) -> dict:
+    torch.manual_seed(0)
+    if model_name == "mlp":
+        model = DeepMLP(layers)
+        data = lambda: torch.randn(4, 32)  # noqa: E731
+    else:
+        model = TinyGPT(layers=layers, ckpt=model_name == "gpt_ckpt")
+        data = lambda: torch.randint(0, 48, (2, 8))  # noqa: E731
+    GTPWrap(model, {"min_shard_numel": 0})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(STEPS):
+        if step == 1:
+            gtp_wrap.reset_stats(model)
+        model(data()).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return gtp_wrap.stats(model)
+
+
+@functools.cache
+def _stats(model_name: str, layers: int) -> dict:
+    return run_ranks(_train_and_count, 2, model_name, layers)[0]
+
+
+def test_one_blocking_gather_per_pass_direction() -> None:
+    s = _stats("mlp", 4)
+    assert s["blocking_by_pass"] == {"forward": STEPS - 1, "backward": STEPS - 1}
+    assert s["prefetched_gathers"] == s["gathers"] - s["blocking_gathers"]
+    # 4 forward uses + 3 backward uses (the first layer's input needs no grad) per step.
+    assert s["gathers"] == (4 + 3) * (STEPS - 1)
+
+
+def test_gpt_with_tied_head_prefetches_everything_but_the_heads() -> None:
+    s = _stats("gpt", 2)
+    assert s["blocking_by_pass"] == {"forward": STEPS - 1, "backward": STEPS - 1}
+    assert s["prefetched_gathers"] > 10 * (STEPS - 1)
+
+
+def test_recompute_regions_follow_the_backward_chain() -> None:
+    s = _stats("gpt_ckpt", 2)
+    # The recomputes of both checkpointed blocks are gathered along the backward chain, so
+    # backward has one blocking gather in all (the allowance is one more per region).
+    assert s["blocking_by_pass"] == {"forward": STEPS - 1, "backward": STEPS - 1}
+
+
+def test_peak_gathered_memory_does_not_grow_with_depth() -> None:
+    shallow, deep = _stats("mlp", 4), _stats("mlp", 8)
+    assert deep["gathers"] > shallow["gathers"]
+    assert deep["peak_gathered_bytes"] == shallow["peak_gathered_bytes"] > 0
+    # One 32x32 fp32 weight in use plus one prefetched: two buffers of 4 KiB.
+    assert shallow["peak_gathered_bytes"] == 2 * 32 * 32 * 4
