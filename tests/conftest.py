@@ -1,9 +1,10 @@
-"""The one way tests start ranks: spawned gloo processes on CPU, with a deadline.
+"""The one way tests start ranks: spawned processes with a deadline.
 
 `run_ranks(fn, world)` runs `fn(rank, world, *args)` on `world` spawned processes joined in one
-gloo group (a FileStore in a temp dir, so parallel tests never fight over ports) and returns
-each rank's return value. A rank that raises fails the test with its traceback; ranks still
-running at the deadline are killed and the test fails instead of hanging.
+gloo group (NCCL with `backend="nccl"`, one GPU per rank), rendezvousing through a FileStore in
+a temp dir so parallel tests never fight over ports, and returns each rank's return value. A
+rank that raises fails the test with its traceback; ranks still running at the deadline are
+killed and the test fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn: Callable, world: int, store_dir: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world: int, store_dir: str, args: tuple, backend: str) -> None:
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world
+        backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world
     )
     try:
         result = fn(rank, world, *args)
@@ -32,11 +35,13 @@ def _entry(rank: int, fn: Callable, world: int, store_dir: str, args: tuple) -> 
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 240.0) -> list[Any]:
+def run_ranks(
+    fn: Callable, world: int, *args: Any, timeout: float = 240.0, backend: str = "gloo"
+) -> list[Any]:
     with tempfile.TemporaryDirectory() as store_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world, store_dir, args),
+            args=(fn, world, store_dir, args, backend),
             nprocs=world,
             join=False,
             start_method="spawn",

@@ -1,0 +1,65 @@
+"""The parity cases on CUDA with NCCL (2 GPUs): gathers and reduce-scatters on NCCL's streams.
+
+Each rank trains the wrapped model and, on its own GPU, the unsharded reference on the whole
+batch; TF32 is off so both sides do the same fp32 arithmetic.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from conftest import run_ranks
+from test_parity import CASES, _model, _train
+
+import gtp_wrap
+from gtp_wrap import GTPWrap
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+
+def _nccl_cases(rank: int, world: int) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = torch.device("cuda", rank)
+    out = {}
+    for name, case in CASES.items():
+        try:
+            ref_model = _model(case).to(device)
+            ref = _train(case, ref_model, 0, 1, wrapped=False)
+            model = GTPWrap(_model(case).to(device), case.policy)
+            got = _train(case, model, rank, world, wrapped=True)
+            full = gtp_wrap.full_state_dict(model)
+            param_diff = max(
+                (full[k] - v.cpu()).abs().max().item() for k, v in ref_model.state_dict().items()
+            )
+            losses = torch.tensor(got["losses"], device=device)
+            torch.distributed.all_reduce(losses)
+            loss_diff = (losses.cpu() / world - torch.tensor(ref["losses"])).abs().max().item()
+            out[name] = {"param_diff": param_diff, "loss_diff": loss_diff}
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_nccl_parity(name: str) -> None:
+    results = _results()
+    for rank, per_case in enumerate(results):
+        got = per_case[name]
+        assert "error" not in got, f"rank {rank}:\n{got.get('error')}"
+        assert got["param_diff"] < 1e-4, got
+        assert got["loss_diff"] < 1e-4, got
+
+
+_cache: list = []
+
+
+def _results() -> list:
+    if not _cache:
+        _cache.append(run_ranks(_nccl_cases, 2, timeout=300, backend="nccl"))
+    return _cache[0]
