@@ -11,8 +11,10 @@ wrapped op itself).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import time
 from pathlib import Path
 
@@ -166,6 +168,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("prof"))
+    ap.add_argument("--cprofile", action="store_true", help="also write a host-side cProfile")
     args = ap.parse_args()
 
     local = int(os.environ["LOCAL_RANK"])
@@ -211,6 +214,15 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(trace_path))
+    if args.cprofile:
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        host.disable()
+        with open(args.out / f"cprofile_rank{rank}.txt", "w") as f:
+            pstats.Stats(host, stream=f).sort_stats("tottime").print_stats(40)
     engine = model._gtp_engine  # type: ignore[attr-defined]
     summary = {
         "config": vars(args) | {"out": str(args.out)},
@@ -220,7 +232,7 @@ def main() -> None:
         "blocking_by_pass": stats["blocking_by_pass"],
         "host_us_per_weight_use": 1e6 * timer.seconds / max(uses, 1),
         "gather_buffers": len(engine.pool._by_ptr),
-        "gather_pool_mib": engine.pool.total_bytes() / 2**20,
+        "gather_pool_mib": engine.pool.total_bytes / 2**20,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "trace": analyse_trace(trace_path),
         "torch": torch.__version__,

@@ -71,9 +71,10 @@ class GatherBufferPool:
         self.device = device
         self._by_key: dict[tuple[int, torch.dtype], list[GatherBuffer]] = {}
         self._by_ptr: dict[int, GatherBuffer] = {}
+        self.total_bytes = 0  # memory held by gather buffers: they are never freed
 
     def reserve(self, numel: int, dtype: torch.dtype) -> GatherBuffer:
-        """A free buffer for a gather about to be issued, marked GATHERING."""
+        """A free buffer for a gather about to be issued, marked GATHERING (new if none is)."""
         buffers = self._by_key.setdefault((numel, dtype), [])
         for buf in buffers:
             if buf.state is BufferState.FREE:
@@ -82,6 +83,7 @@ class GatherBufferPool:
             buf = GatherBuffer(numel, dtype, self.device)
             buffers.append(buf)
             self._by_ptr[buf.data_ptr] = buf
+            self.total_bytes += buf.nbytes
         buf._gathering = True
         return buf
 
@@ -95,9 +97,3 @@ class GatherBufferPool:
         if t.device != self.device:
             return None
         return self._by_ptr.get(t.untyped_storage().data_ptr())
-
-    def busy_bytes(self) -> int:
-        return sum(b.nbytes for b in self._by_ptr.values() if b.state is not BufferState.FREE)
-
-    def total_bytes(self) -> int:
-        return sum(b.nbytes for b in self._by_ptr.values())

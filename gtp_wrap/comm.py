@@ -42,15 +42,15 @@ class Comm:
         if self.mesh.gtp_size == 1:
             out.copy_(shard)
             return Pending(None, what)
-        work = dist.all_gather_into_tensor(out, shard, group=self.mesh.gtp_group, async_op=True)
-        return Pending(work, what)
+        # The ProcessGroup's own method: the torch.distributed wrapper adds ~25 us of Python
+        # checks per call, paid on every weight use.
+        return Pending(self.mesh.gtp_group._allgather_base(out, shard), what)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str) -> Pending:
         if self.mesh.gtp_size == 1:
             out.copy_(full)
             return Pending(None, what)
-        work = dist.reduce_scatter_tensor(out, full, group=self.mesh.gtp_group, async_op=True)
-        return Pending(work, what)
+        return Pending(self.mesh.gtp_group._reduce_scatter_base(out, full), what)
 
     def all_reduce_dp(self, t: torch.Tensor, what: str) -> Pending:
         if self.mesh.dp_size == 1:

@@ -30,6 +30,7 @@ from .replicated import ReplicatedGrads
 from .storage import FlatStorage, ShardLayout
 
 _engine_ids = itertools.count()
+_CONTAINERS = (list, tuple, dict)
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class Stats:
     bytes_gathered: int = 0
     bytes_reduced: int = 0
     reduce_scatters: int = 0
-    peak_gathered_bytes: int = 0
+    peak_gathered_bytes: int = 0  # memory held by gather buffers (high-water mark)
     blocking_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -96,6 +97,11 @@ class GTPEngine:
         self.storage = FlatStorage(self.layouts, self.device)
         self.pool = GatherBufferPool(self.device)
         self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]
+        # Views used on every weight use, made once here rather than per use.
+        self._slots = [lay.slot(self.storage.params[lay.dtype]) for lay in self.layouts]
+        self._grad_slots = [lay.slot(self.storage.grads[lay.dtype]) for lay in self.layouts]
+        self._grad_views = [lay.local_view(self.storage.grads[lay.dtype]) for lay in self.layouts]
+        self.grad_scale = 1.0 / mesh.world_size if policy.loss_reduction == "mean" else 1.0
         self.replicated = ReplicatedGrads(
             [p.param for p in plans if p.shard_dim is None], self.comm, self.grad_scale
         )
@@ -103,10 +109,6 @@ class GTPEngine:
             self.replicated.register(self)
         root.register_forward_pre_hook(self._pre_forward)
         root.register_forward_hook(self._post_forward, always_call=True)
-
-    @property
-    def grad_scale(self) -> float:
-        return 1.0 / self.mesh.world_size if self.policy.loss_reduction == "mean" else 1.0
 
     # ---- wrap ---------------------------------------------------------------------------
 
@@ -228,13 +230,16 @@ class GTPEngine:
                 full[id(p)] = w
             return full[id(p)]
 
-        args, kwargs = tree_map_only(ShardedParameter, substitute, (args, kwargs))
+        if any(type(a) in _CONTAINERS for a in args) or kwargs:
+            args, kwargs = tree_map_only(ShardedParameter, substitute, (args, kwargs))
+        else:  # the common case, F.linear(x, w, b): no tree walk
+            args = tuple(substitute(a) if type(a) is ShardedParameter else a for a in args)
         return func(*args, **kwargs)
 
     def gather(self, lay: ShardLayout) -> torch.Tensor:
         """The logical full weight of `lay`, gathered for one use of the current pass."""
         if self.mesh.gtp_size == 1:
-            return lay.local_view(self.storage.params[lay.dtype])
+            return self.params[lay.index].detach()
         state = self._passes[-1]
         if state.expects(lay.index):
             position = state.cursor
@@ -256,7 +261,8 @@ class GTPEngine:
         buf = self.pool.reserve(lay.gathered_numel, lay.dtype)
         buf.owner = lay
         what = f"all-gather of '{lay.fqn}' ({state.kind.value} pass, step {self.step})"
-        pending = self.comm.all_gather(buf.tensor, lay.slot(self.storage.params[lay.dtype]), what)
+        pending = self.comm.all_gather(buf.tensor, self._slots[lay.index], what)
+        self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.pool.total_bytes)
         self.stats.gathers += 1
         self.stats.bytes_gathered += buf.nbytes
         return Gather(lay, buf, pending, position)
@@ -276,7 +282,6 @@ class GTPEngine:
             self.stats.blocking_by_pass[key] = self.stats.blocking_by_pass.get(key, 0) + 1
         else:
             self.stats.prefetched_gathers += 1
-        self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.pool.busy_bytes())
         return full
 
     def _drain(self, state: PassState) -> None:
@@ -315,7 +320,7 @@ class GTPEngine:
             param = self.params[lay.index]
             prev = self._pending_reduce
             direct = param.grad is None and (prev is None or prev.layout is not lay)
-            out = lay.slot(self.storage.grads[lay.dtype]) if direct else self._take_staging(lay)
+            out = self._grad_slots[lay.index] if direct else self._take_staging(lay)
             full = lay.padded_rows_view(grad.to(lay.dtype))
             what = f"reduce-scatter of the gradient of '{lay.fqn}' (step {self.step})"
             self._pending_reduce = PendingReduce(
@@ -341,11 +346,11 @@ class GTPEngine:
             pr.out.mul_(self.grad_scale)
         param = self.params[lay.index]
         if pr.direct:
-            param.grad = lay.local_view(self.storage.grads[lay.dtype])
+            param.grad = self._grad_views[lay.index]
         else:
             local = pr.out[: lay.local_rows * lay.row_numel].view(lay.local_rows, *lay.rest)
             if param.grad is None:
-                param.grad = lay.local_view(self.storage.grads[lay.dtype])
+                param.grad = self._grad_views[lay.index]
                 param.grad.copy_(local.movedim(0, lay.dim))
             else:
                 param.grad.add_(local.movedim(0, lay.dim))
@@ -362,7 +367,7 @@ class GTPEngine:
             self.sync_replicated = True
 
     def reset_stats(self) -> None:
-        self.stats = Stats()
+        self.stats = Stats(peak_gathered_bytes=self.pool.total_bytes)
 
 
 class _RouteGrad(torch.autograd.Function):

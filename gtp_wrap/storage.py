@@ -12,6 +12,7 @@ first `rows` rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -32,36 +33,36 @@ class ShardLayout:
     dtype: torch.dtype
     offset: int
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         return self.shape[self.dim]
 
-    @property
+    @functools.cached_property
     def rest(self) -> tuple[int, ...]:
         return tuple(s for i, s in enumerate(self.shape) if i != self.dim)
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return math.prod(self.rest)
 
-    @property
+    @functools.cached_property
     def rows_per_rank(self) -> int:
         return -(-self.rows // self.world)
 
-    @property
+    @functools.cached_property
     def local_rows(self) -> int:
         start = self.rank * self.rows_per_rank
         return max(0, min(self.rows_per_rank, self.rows - start))
 
-    @property
+    @functools.cached_property
     def slot_numel(self) -> int:
         return self.rows_per_rank * self.row_numel
 
-    @property
+    @functools.cached_property
     def gathered_numel(self) -> int:
         return self.world * self.slot_numel
 
-    @property
+    @functools.cached_property
     def padded_rows(self) -> int:
         return self.world * self.rows_per_rank
 
@@ -75,10 +76,14 @@ class ShardLayout:
         block = flat[self.offset : self.offset + n].view(self.local_rows, *self.rest)
         return block.movedim(0, self.dim)
 
+    @functools.cached_property
+    def full_stride(self) -> tuple[int, ...]:
+        """Strides of the logical weight inside a gathered buffer (rows first in memory)."""
+        return torch.empty((self.rows, *self.rest), device="meta").movedim(0, self.dim).stride()
+
     def full_view(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The logical full weight inside a gathered (padded) buffer."""
-        full = gathered[: self.rows * self.row_numel].view(self.rows, *self.rest)
-        return full.movedim(0, self.dim)
+        """The logical full weight inside a gathered (padded) buffer: one view op."""
+        return gathered.as_strided(self.shape, self.full_stride, 0)
 
     def local_rows_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's block of a logical full tensor, in the logical layout (for loading)."""

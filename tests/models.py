@@ -42,7 +42,7 @@ class TinyGPT(nn.Module):
         self.head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
         return self.head(self.norm(x))
