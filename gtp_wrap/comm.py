@@ -31,8 +31,13 @@ class Comm:
     """The collectives of one engine: gathers and reduce-scatters over the GTP group,
     all-reduces over the dp group and over the world."""
 
-    def __init__(self, mesh: GTPMesh, timeout_s: float, tag: str) -> None:
+    def __init__(self, mesh: GTPMesh, timeout_s: float, tag: str, average: bool) -> None:
         self.mesh = mesh
+        # Gradient reductions average (the mean over data ranks, applied once per axis by the
+        # collective itself: no extra scaling kernel) or sum, as the policy says.
+        self.grad_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        self._rs_opts = dist.ReduceScatterOptions()
+        self._rs_opts.reduceOp = self.grad_op
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._tag = tag
         self._exchanges = 0
@@ -50,14 +55,16 @@ class Comm:
         if self.mesh.gtp_size == 1:
             out.copy_(full)
             return Pending(None, what)
-        return Pending(self.mesh.gtp_group._reduce_scatter_base(out, full), what)
+        return Pending(self.mesh.gtp_group._reduce_scatter_base(out, full, self._rs_opts), what)
 
     def all_reduce_dp(self, t: torch.Tensor, what: str) -> Pending:
         if self.mesh.dp_size == 1:
             return Pending(None, what)
-        return Pending(dist.all_reduce(t, group=self.mesh.dp_group, async_op=True), what)
+        work = dist.all_reduce(t, op=self.grad_op, group=self.mesh.dp_group, async_op=True)
+        return Pending(work, what)
 
     def all_reduce_gtp(self, t: torch.Tensor, what: str) -> Pending:
+        """A sum over the GTP group (for norms of disjoint shards)."""
         if self.mesh.gtp_size == 1:
             return Pending(None, what)
         return Pending(dist.all_reduce(t, group=self.mesh.gtp_group, async_op=True), what)
@@ -71,7 +78,7 @@ class Comm:
     def all_reduce_world(self, t: torch.Tensor, what: str) -> Pending:
         if self.mesh.world_size == 1:
             return Pending(None, what)
-        return Pending(dist.all_reduce(t, async_op=True), what)
+        return Pending(dist.all_reduce(t, op=self.grad_op, async_op=True), what)
 
     def wait(self, pending: Pending) -> None:
         work, pending.work = pending.work, None  # a finished Work still references its tensors

@@ -24,7 +24,7 @@ from .chain import Gather, PassKind, PassState, first_difference
 from .comm import Comm, Pending, stable_hash
 from .errors import ChainMismatchError, WrapError
 from .mesh import GTPMesh
-from .parameter import ShardedParameter, make_sharded_parameter
+from .parameter import ShardedParameter, _OpenPasses, make_sharded_parameter
 from .policy import GTPPolicy, ParameterPlan
 from .replicated import ReplicatedGrads
 from .storage import FlatStorage, ShardLayout
@@ -75,7 +75,12 @@ class GTPEngine:
     ) -> None:
         self.policy = policy
         self.mesh = mesh
-        self.comm = Comm(mesh, policy.collective_timeout_s, tag=str(next(_engine_ids)))
+        self.comm = Comm(
+            mesh,
+            policy.collective_timeout_s,
+            tag=str(next(_engine_ids)),
+            average=policy.loss_reduction == "mean",
+        )
         self.stats = Stats()
         self.step = 0
         self.sync_replicated = True
@@ -101,10 +106,8 @@ class GTPEngine:
         self._slots = [lay.slot(self.storage.params[lay.dtype]) for lay in self.layouts]
         self._grad_slots = [lay.slot(self.storage.grads[lay.dtype]) for lay in self.layouts]
         self._grad_views = [lay.local_view(self.storage.grads[lay.dtype]) for lay in self.layouts]
-        self.grad_scale = 1.0 / mesh.world_size if policy.loss_reduction == "mean" else 1.0
-        self.replicated = ReplicatedGrads(
-            [p.param for p in plans if p.shard_dim is None], self.comm, self.grad_scale
-        )
+        replicated = [p.param for p in plans if p.shard_dim is None]
+        self.replicated = ReplicatedGrads(replicated, self.comm)
         if mesh.world_size > 1:
             self.replicated.register(self)
         root.register_forward_pre_hook(self._pre_forward)
@@ -153,6 +156,7 @@ class GTPEngine:
     def _begin_pass(self, kind: PassKind) -> PassState:
         state = PassState(kind, self._chains.get(kind))
         self._passes.append(state)
+        _OpenPasses.count += 1
         return state
 
     def _end_pass(self, failed: bool = False) -> None:
@@ -162,6 +166,7 @@ class GTPEngine:
         part-way, and its peers learn of the failure by timing out at their own check.
         """
         state = self._passes.pop()
+        _OpenPasses.count -= 1
         if failed:
             with contextlib.suppress(Exception):
                 self._drain(state)
@@ -338,12 +343,10 @@ class GTPEngine:
         return torch.empty(lay.slot_numel, dtype=lay.dtype, device=self.device)
 
     def _finalize(self, pr: PendingReduce) -> None:
-        """Complete a reduce-scatter, reduce over dp, scale, and land it in the shard's grad."""
+        """Complete a reduce-scatter, reduce over dp, and land it in the shard's grad."""
         lay = pr.layout
         self.comm.wait(pr.pending)
         self.comm.wait(self.comm.all_reduce_dp(pr.out, f"dp all-reduce of '{lay.fqn}' grad"))
-        if self.grad_scale != 1.0:
-            pr.out.mul_(self.grad_scale)
         param = self.params[lay.index]
         if pr.direct:
             param.grad = self._grad_views[lay.index]

@@ -37,9 +37,8 @@ class _Bucket:
 class ReplicatedGrads:
     """Bucketed, overlapped all-reduce of the replicated parameters' grads."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Comm, scale: float) -> None:
+    def __init__(self, params: list[nn.Parameter], comm: Comm) -> None:
         self.comm = comm
-        self.scale = scale
         trainable = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
         # Grads become ready roughly in reverse registration order, so buckets follow it.
@@ -97,8 +96,6 @@ class ReplicatedGrads:
         for bucket in self.buckets:
             if bucket.pending is not None:
                 self.comm.wait(bucket.pending)
-            if self.scale != 1.0:
-                bucket.flat[: len(bucket.flat) - len(bucket.params)].mul_(self.scale)
             has_grad = bucket.flags.tolist() if bucket.locally_missing else [1] * len(bucket.params)
             offset = 0
             for p, n, flag in zip(bucket.params, bucket.sizes, has_grad):
