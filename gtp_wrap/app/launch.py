@@ -1,0 +1,79 @@
+"""Start ranks: the ones torchrun started (any number of nodes), or `nproc` local ones."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class LaunchError(ValueError):
+    """The requested ranks do not fit the machine."""
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def check_local_devices(nproc: int) -> None:
+    """Refuse more local ranks than the machine has GPUs (or CPU cores without GPUs)."""
+    if nproc < 1:
+        raise LaunchError(f"nproc={nproc}: start at least one rank")
+    if torch.cuda.is_available():
+        if nproc > torch.cuda.device_count():
+            raise LaunchError(
+                f"nproc={nproc} but this machine has {torch.cuda.device_count()} GPU(s); "
+                "use nproc <= the GPU count (one rank per GPU)"
+            )
+    elif nproc > (os.cpu_count() or 1):
+        raise LaunchError(
+            f"nproc={nproc} but this machine has {os.cpu_count()} CPU core(s); "
+            "use nproc <= the core count"
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(local_rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    run_rank(fn, args)
+
+
+def run_rank(fn: Callable, args: tuple) -> Any:
+    """Join the process group from torchrun-style environment variables and run `fn`."""
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    try:
+        return fn(device, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, nproc: int, *args: Any) -> None:
+    """Run `fn(device, *args)` on every rank: in this process under torchrun, else spawned."""
+    if under_torchrun():
+        run_rank(fn, args)
+        return
+    check_local_devices(nproc)
+    mp.start_processes(
+        _rank_entry, args=(fn, nproc, _free_port(), args), nprocs=nproc, start_method="spawn"
+    )

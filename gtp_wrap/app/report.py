@@ -1,0 +1,76 @@
+"""What a user sees at the end of a run: the memory table, GTP's counters, a plot, a JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MiB = 2**20
+
+
+def memory_rows(model: nn.Module, optim: torch.optim.Optimizer, full_numel: int) -> list[tuple]:
+    """Per-rank bytes of parameters, gradients and optimizer state, and the unsharded bytes."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    optim_bytes = sum(
+        t.numel() * t.element_size()
+        for state in optim.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+    elem = next(model.parameters()).element_size()
+    full = full_numel * elem
+    per_param_state = optim_bytes / max(params, 1)
+    return [
+        ("parameters", params, full),
+        ("gradients", grads, full),
+        ("optimizer state", optim_bytes, int(full * per_param_state)),
+    ]
+
+
+def summary_table(rows: list[tuple], stats: dict, steps: int) -> str:
+    lines = [
+        f"{'per rank':<18}{'GTP (MiB)':>12}{'unsharded (MiB)':>18}{'ratio':>8}",
+        "-" * 56,
+    ]
+    for name, mine, full in rows:
+        ratio = f"{mine / full:.2f}" if full else "-"
+        lines.append(f"{name:<18}{mine / MiB:>12.2f}{full / MiB:>18.2f}{ratio:>8}")
+    per = max(steps, 1)
+    lines += [
+        "-" * 56,
+        f"after the first step, gathers per step: {stats['gathers'] / per:.0f} "
+        f"(prefetched {stats['prefetched_gathers'] / per:.0f}, "
+        f"blocking {stats['blocking_gathers'] / per:.0f})",
+        f"bytes per step: gathered {stats['bytes_gathered'] / per / MiB:.1f} MiB, "
+        f"reduce-scattered {stats['bytes_reduced'] / per / MiB:.1f} MiB; "
+        f"gather buffers {stats['peak_gathered_bytes'] / MiB:.2f} MiB",
+    ]
+    return "\n".join(lines)
+
+
+def plot_losses(history: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(history["step"], history["loss"], label="train", lw=1)
+    if history["val_step"]:
+        ax.plot(history["val_step"], history["val_loss"], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("gtp-train")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_metrics(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2))

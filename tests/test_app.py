@@ -1,0 +1,86 @@
+"""The `gtp-train` app end to end: a run, its outputs, exact resume, configs, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from gtp_wrap.app.model import GPT, GPTConfig
+from gtp_wrap.app.train import CONFIG_DIR
+from gtp_wrap.policy import resolve_policy
+
+FAST = ["trainer.batch=4", "trainer.seq=32", "trainer.eval_every=0", "trainer.eval_batches=1"]
+
+
+def _train(*overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "gtp_wrap.app.train", *FAST, *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_train_end_to_end(tmp_path: Path) -> None:
+    proc = _train("trainer.steps=20", "trainer.eval_every=10", f"out_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = _metrics(tmp_path)
+    assert m["world"] == 2 and len(m["history"]["loss"]) == 20
+    assert m["history"]["loss"][-1] < m["history"]["loss"][0] - 0.5
+    assert m["history"]["val_step"] == [10, 20]
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    sharded = {row["what"]: row["gtp_bytes"] / row["unsharded_bytes"] for row in m["memory"]}
+    assert sharded["parameters"] < 0.6 and sharded["optimizer state"] < 0.6
+    assert m["stats"]["prefetched_gathers"] > m["stats"]["blocking_gathers"]
+    assert "optimizer state" in proc.stdout and "gathers per step" in proc.stdout
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    common = ["trainer.steps=12", "checkpoint.every=6", "trainer.warmup=3"]
+    assert _train(*common, f"out_dir={whole}").returncode == 0
+    first = _train(*common, "trainer.stop_at=6", f"out_dir={part}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert len(_metrics(part)["history"]["loss"]) == 6
+    resumed = _train(*common, "resume=true", f"out_dir={part}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _metrics(part)["history"]["loss"] == _metrics(whole)["history"]["loss"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model", _options("model"))
+@pytest.mark.parametrize("policy", _options("policy"))
+def test_every_config_composes_and_instantiates(policy: str, model: str) -> None:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"policy={policy}", f"model={model}"])
+    resolve_policy(cfg.policy)
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(**OmegaConf.to_container(cfg.model)))
+    assert sum(p.numel() for p in gpt.parameters()) == GPTConfig(**cfg.model).n_params
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("bogus_option=1", "Could not override 'bogus_option'"),
+        ("+policy.min_shard=3", "unknown GTPPolicy field(s) ['min_shard']"),
+        ("nproc=4096", "nproc=4096 but this machine has"),
+        ("data.path=/no/such/file.txt", "data.path='/no/such/file.txt' does not exist"),
+        ("mesh=[3,1]", "mesh=[3, 1] does not multiply to nproc=2"),
+    ],
+)
+def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:
+    proc = _train(override, f"out_dir={tmp_path}", timeout=60)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists()
