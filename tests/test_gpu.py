@@ -30,7 +30,8 @@ def _nccl_cases(rank: int, world: int) -> dict:
     for name, case in CASES.items():
         try:
             ref_model = _model(case).to(device)
-            ref = _train(case, ref_model, 0, 1, wrapped=False)
+            summed = case.policy.get("loss_reduction") == "sum"
+            ref = _train(case, ref_model, 0, 1, wrapped=False, loss_scale=world if summed else 1.0)
             model = GTPWrap(_model(case).to(device), case.policy)
             got = _train(case, model, rank, world, wrapped=True)
             full = gtp_wrap.full_state_dict(model)

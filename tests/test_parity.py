@@ -63,6 +63,9 @@ CASES = {
     "no_sync": Case(TinyGPT, "tokens", micro_batches=2),
     "eval_between": Case(TinyGPT, "tokens", eval_between=True),
     "seq_change": Case(TinyGPT, "tokens", seq_lens=(8, 12, 5)),
+    "sum_reduction": Case(
+        TinyGPT, "tokens", policy={"min_shard_numel": 0, "loss_reduction": "sum"}
+    ),
 }
 MESHES = {"1": 1, "2": 2, "4": 4, "2x2": 4}
 
@@ -93,8 +96,14 @@ def _model(case: Case) -> nn.Module:
     return case.build()
 
 
-def _train(case: Case, model: nn.Module, rank: int, world: int, wrapped: bool) -> dict:
-    """The training loop both sides run; the wrapped side sees its slice of every batch."""
+def _train(
+    case: Case, model: nn.Module, rank: int, world: int, wrapped: bool, loss_scale: float = 1.0
+) -> dict:
+    """The training loop both sides run; the wrapped side sees its slice of every batch.
+
+    `loss_scale` lets the reference match loss_reduction="sum": summing the ranks' mean-loss
+    grads is the global mean-loss grad times the number of data ranks.
+    """
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     out: dict[str, list] = {"losses": [], "evals": [], "norms": []}
@@ -108,7 +117,7 @@ def _train(case: Case, model: nn.Module, rank: int, world: int, wrapped: bool) -
             sync = contextlib.nullcontext() if (last or not wrapped) else gtp_wrap.no_sync(model)
             with sync:
                 loss = _loss(case, model(x), y) / case.micro_batches
-                loss.backward()
+                (loss * loss_scale).backward()
             total += loss.item()
         out["losses"].append(total)
         if case.clip is not None:
@@ -157,10 +166,11 @@ def _results(mesh_kind: str) -> list[dict]:
 
 
 @functools.cache
-def _reference(name: str) -> dict:
+def _reference(name: str, data_ranks: int) -> dict:
     case = CASES[name]
     model = _model(case)
-    res = _train(case, model, 0, 1, wrapped=False)
+    summed = case.policy.get("loss_reduction") == "sum"
+    res = _train(case, model, 0, 1, wrapped=False, loss_scale=data_ranks if summed else 1.0)
     res["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return res
 
@@ -168,7 +178,7 @@ def _reference(name: str) -> dict:
 @pytest.mark.parametrize("mesh_kind", list(MESHES))
 @pytest.mark.parametrize("name", list(CASES))
 def test_parity(mesh_kind: str, name: str) -> None:
-    ref = _reference(name)
+    ref = _reference(name, MESHES[mesh_kind])
     for rank, per_case in enumerate(_results(mesh_kind)):
         got = per_case[name]
         assert "error" not in got, f"rank {rank} failed:\n{got.get('error')}"
