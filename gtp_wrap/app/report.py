@@ -44,7 +44,10 @@ def summary_table(rows: list[tuple], stats: dict, steps: int) -> str:
         "-" * 56,
         f"after the first step, gathers per step: {stats['gathers'] / per:.0f} "
         f"(prefetched {stats['prefetched_gathers'] / per:.0f}, "
-        f"blocking {stats['blocking_gathers'] / per:.0f})",
+        f"blocking {stats['blocking_gathers'] / per:.1f})",
+        "blocking gathers by pass: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(stats["blocking_by_pass"].items()))
+        + " (one chain head per pass; an eval pass records its chain the first time)",
         f"bytes per step: gathered {stats['bytes_gathered'] / per / MiB:.1f} MiB, "
         f"reduce-scattered {stats['bytes_reduced'] / per / MiB:.1f} MiB; "
         f"gather buffers {stats['peak_gathered_bytes'] / MiB:.2f} MiB",
