@@ -15,10 +15,24 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 if TYPE_CHECKING:
     from .engine import GTPEngine
+    from .storage import ShardLayout
 
 
 def _placements(engine: GTPEngine, dim: int) -> list:
     return [Replicate(), Shard(dim)] if engine.mesh.is_2d else [Shard(dim)]
+
+
+def to_dtensor(engine: GTPEngine, lay: ShardLayout, local: torch.Tensor) -> DTensor:
+    """A local block of a sharded weight (or of its optimizer state) as a DTensor of the logical,
+    unpadded shape."""
+    return DTensor.from_local(
+        local,
+        engine.mesh.device_mesh,
+        _placements(engine, lay.dim),
+        run_check=False,
+        shape=lay.shape,
+        stride=torch.empty(lay.shape, device="meta").stride(),
+    )
 
 
 def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
@@ -32,14 +46,7 @@ def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
                 if prefix + fqn in sd:
                     with torch._C.DisableTorchFunctionSubclass():
                         local = sd[prefix + fqn].detach()
-                    sd[prefix + fqn] = DTensor.from_local(
-                        local,
-                        engine.mesh.device_mesh,
-                        _placements(engine, lay.dim),
-                        run_check=False,
-                        shape=lay.shape,
-                        stride=torch.empty(lay.shape, device="meta").stride(),
-                    )
+                    sd[prefix + fqn] = to_dtensor(engine, lay, local)
 
     def to_local(sd: dict, prefix: str, *_: Any) -> None:
         for lay, fqns in zip(engine.layouts, engine.fqns):

@@ -28,7 +28,8 @@ from gtp_wrap import GTPPolicy, GTPWrap
 from gtp_wrap.errors import PolicyError
 from gtp_wrap.policy import resolve_policy
 
-from . import checkpoint, report
+from .. import checkpoint
+from . import report
 from .data import DataConfig, DataError, TokenStream, load_tokens
 from .launch import LaunchError, check_local_devices, launch, under_torchrun
 from .model import GPT, GPTConfig
@@ -86,8 +87,9 @@ def train(device: torch.device, cfg: dict, run_dir: str) -> None:
     start = 0
     ckpt_root = out / "checkpoints"
     if cfg["resume"] and (found := checkpoint.latest(ckpt_root)) is not None:
-        start, meta = checkpoint.load(found, model, optim, sched)
-        history = meta["history"]
+        extra = checkpoint.load(found, model, optim)
+        start, history = extra["step"], extra["history"]
+        sched.load_state_dict(extra["scheduler"])
 
     def evaluate(step: int) -> float:
         model.eval()
@@ -135,7 +137,8 @@ def train(device: torch.device, cfg: dict, run_dir: str) -> None:
             if rank == 0:
                 bar.write(f"step {step + 1}: validation loss {history['val_loss'][-1]:.4f}")
         if (cfg["checkpoint"]["every"] and (step + 1) % cfg["checkpoint"]["every"] == 0) or done:
-            checkpoint.save(ckpt_root, step + 1, model, optim, sched, {"history": history})
+            extra = {"step": step + 1, "history": history, "scheduler": sched.state_dict()}
+            checkpoint.save(ckpt_root, model, optim, extra=extra)
             checkpoint.prune(ckpt_root, cfg["checkpoint"]["keep"])
     bar.close()
 
