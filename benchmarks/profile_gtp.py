@@ -26,7 +26,7 @@ from torch import nn
 import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.engine import GTPEngine
-from gtp_wrap.parameter import _ATTRIBUTE_ACCESS, _SHAPE_FUNCS, ShardedParameter
+from gtp_wrap.parameter import _ATTRIBUTE_ACCESS, _SHAPE_FUNCS, GTPParameter
 
 
 class Block(nn.Module):
@@ -72,7 +72,7 @@ class HookTimer:
         self.seconds = 0.0
         self.enabled = False
         timer = self
-        orig_tf = ShardedParameter.__torch_function__.__func__  # type: ignore[attr-defined]
+        orig_tf = GTPParameter.__torch_function__.__func__  # type: ignore[attr-defined]
 
         def torch_function(cls, func, types, args=(), kwargs=None):
             if not timer.enabled or func in _SHAPE_FUNCS:
@@ -92,7 +92,7 @@ class HookTimer:
             timer.seconds += time.perf_counter() - t0 - inner[0]
             return result
 
-        ShardedParameter.__torch_function__ = classmethod(torch_function)  # type: ignore[assignment]
+        GTPParameter.__torch_function__ = classmethod(torch_function)  # type: ignore[assignment]
         for name in ("_pack", "_unpack", "reduce_grad"):
             self._wrap(name)
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .engine import GTPEngine
 from .errors import WrapError
 from .mesh import resolve_mesh
-from .parameter import ShardedParameter
+from .parameter import GTPParameter
 from .policy import GTPPolicy, plan_parameters, resolve_policy
 from .state_dict import install_state_dict_hooks
 
@@ -42,7 +42,7 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
     or backward sees the full weight, and after `loss.backward()` every `.grad` is reduced.
     """
     if hasattr(module, _ENGINE_ATTR) or any(
-        isinstance(p, ShardedParameter) for p in module.parameters()
+        isinstance(p, GTPParameter) for p in module.parameters()
     ):
         raise WrapError(
             f"{type(module).__name__} (or a submodule) is already wrapped by GTPWrap; wrap the "
@@ -96,6 +96,7 @@ def stats(module: nn.Module) -> dict[str, Any]:
         "bytes_reduced": s.bytes_reduced,
         "reduce_scatters": s.reduce_scatters,
         "peak_gathered_bytes": s.peak_gathered_bytes,
+        "weight_casts": engine_of(module).storage.casts,
     }
 
 

@@ -24,8 +24,8 @@ from .chain import Gather, PassKind, PassState, first_difference
 from .comm import Comm, Pending, stable_hash
 from .errors import ChainMismatchError, WrapError
 from .mesh import GTPMesh
-from .parameter import ShardedParameter, _OpenPasses, make_sharded_parameter
-from .policy import GTPPolicy, ParameterPlan
+from .parameter import GTPParameter, _OpenPasses, make_gtp_parameter
+from .policy import GTPPolicy, ParameterPlan, policy_dtype
 from .replicated import ReplicatedGrads
 from .storage import FlatStorage, ShardLayout
 
@@ -99,14 +99,22 @@ class GTPEngine:
             align=policy.pad_for_alignment,
         )
         self.fqns = [p.fqns for p in sharded]
-        self.storage = FlatStorage(self.layouts, self.device)
+        self.param_dtype = policy_dtype(policy.param_dtype)
+        self.reduce_dtype = policy_dtype(policy.reduce_dtype)
+        self.storage = FlatStorage(self.layouts, self.device, self.param_dtype)
         self.pool = GatherBufferPool(self.device)
         self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]
         # Views used on every weight use, made once here rather than per use.
-        self._slots = [lay.slot(self.storage.params[lay.dtype]) for lay in self.layouts]
+        self._slots = [lay.slot(self.storage.compute[lay.dtype]) for lay in self.layouts]
+        self._local_compute = [
+            lay.local_view(self.storage.compute[lay.dtype]) for lay in self.layouts
+        ]
         self._grad_slots = [lay.slot(self.storage.grads[lay.dtype]) for lay in self.layouts]
         self._grad_views = [lay.local_view(self.storage.grads[lay.dtype]) for lay in self.layouts]
         replicated = [p.param for p in plans if p.shard_dim is None]
+        if self.param_dtype is not None:
+            replicated = [self._manage_replicated(plan) for plan in plans if plan.shard_dim is None]
+        self.cast_params = [p for p in replicated if isinstance(p, GTPParameter)]
         self.replicated = ReplicatedGrads(replicated, self.comm)
         if mesh.world_size > 1:
             self.replicated.register(self)
@@ -137,15 +145,35 @@ class GTPEngine:
             "with the same policy on every rank before wrapping"
         )
 
-    def _shard(self, plan: ParameterPlan, lay: ShardLayout) -> ShardedParameter:
+    def _shard(self, plan: ParameterPlan, lay: ShardLayout) -> GTPParameter:
         """Copy this rank's rows into the flat storage and register the shard view in place."""
         flat = self.storage.params[lay.dtype]
         with torch.no_grad():
             lay.local_view(flat).copy_(lay.local_rows_of(plan.param.detach()))
-        param = make_sharded_parameter(lay.local_view(flat), plan.param.requires_grad, lay, self)
+        param = make_gtp_parameter(lay.local_view(flat), plan.param.requires_grad, lay, self)
         for module, name in plan.owners:
             module._parameters[name] = param
         return param
+
+    def _manage_replicated(self, plan: ParameterPlan) -> nn.Parameter:
+        """With a compute dtype, a replicated floating-point parameter is used through a copy in
+        that dtype (made once per step), so the whole forward runs in one dtype."""
+        if not plan.param.is_floating_point() or plan.param.dtype == self.param_dtype:
+            return plan.param
+        param = make_gtp_parameter(plan.param.detach(), plan.param.requires_grad, None, self)
+        param._gtp_cast = torch.empty_like(param, dtype=self.param_dtype)
+        param._gtp_cast_version = -1
+        for module, name in plan.owners:
+            module._parameters[name] = param
+        return param
+
+    def _refresh_casts(self) -> None:
+        self.storage.refresh_compute()
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for p in self.cast_params:
+                if p._gtp_cast_version != p._version:
+                    p._gtp_cast.copy_(p)
+                    p._gtp_cast_version = p._version
 
     # ---- passes -------------------------------------------------------------------------
 
@@ -154,6 +182,8 @@ class GTPEngine:
         return bool(self._passes) or torch._C._current_graph_task_id() != -1
 
     def _begin_pass(self, kind: PassKind) -> PassState:
+        if self.param_dtype is not None:
+            self._refresh_casts()
         state = PassState(kind, self._chains.get(kind))
         self._passes.append(state)
         _OpenPasses.count += 1
@@ -188,13 +218,20 @@ class GTPEngine:
             )
         self._chains[state.kind] = tuple(state.recorded)
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: Any) -> Any:
         grad = torch.is_grad_enabled()
         state = self._begin_pass(PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD)
         if grad:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
             state.exit_hooks = hooks
+        if self.param_dtype is not None:  # floating inputs follow the weights' compute dtype
+            return tree_map_only(
+                torch.Tensor,
+                lambda t: t.to(self.param_dtype) if t.is_floating_point() else t,
+                args,
+            )
+        return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         state = self._passes[-1]
@@ -227,24 +264,28 @@ class GTPEngine:
             self._ensure_backward()  # a checkpoint recompute: uses inside backward
         full: dict[int, torch.Tensor] = {}
 
-        def substitute(p: ShardedParameter) -> torch.Tensor:
+        def substitute(p: GTPParameter) -> torch.Tensor:
             if id(p) not in full:
-                w = self.gather(p._gtp_layout)
-                if torch.is_grad_enabled() and p.requires_grad:
-                    w = _RouteGrad.apply(p, w, self, p._gtp_layout)
+                grad = torch.is_grad_enabled() and p.requires_grad
+                if p._gtp_layout is None:  # replicated, used in the compute dtype
+                    w = _CastGrad.apply(p, p._gtp_cast) if grad else p._gtp_cast
+                else:
+                    w = self.gather(p._gtp_layout)
+                    if grad:
+                        w = _RouteGrad.apply(p, w, self, p._gtp_layout)
                 full[id(p)] = w
             return full[id(p)]
 
         if any(type(a) in _CONTAINERS for a in args) or kwargs:
-            args, kwargs = tree_map_only(ShardedParameter, substitute, (args, kwargs))
+            args, kwargs = tree_map_only(GTPParameter, substitute, (args, kwargs))
         else:  # the common case, F.linear(x, w, b): no tree walk
-            args = tuple(substitute(a) if type(a) is ShardedParameter else a for a in args)
+            args = tuple(substitute(a) if type(a) is GTPParameter else a for a in args)
         return func(*args, **kwargs)
 
     def gather(self, lay: ShardLayout) -> torch.Tensor:
         """The logical full weight of `lay`, gathered for one use of the current pass."""
         if self.mesh.gtp_size == 1:
-            return self.params[lay.index].detach()
+            return self._local_compute[lay.index]
         state = self._passes[-1]
         if state.expects(lay.index):
             position = state.cursor
@@ -263,7 +304,7 @@ class GTPEngine:
         return self._complete(gather, state, blocking)
 
     def _issue(self, lay: ShardLayout, state: PassState, position: int | None) -> Gather:
-        buf = self.pool.reserve(lay.gathered_numel, lay.dtype)
+        buf = self.pool.reserve(lay.gathered_numel, self._slots[lay.index].dtype)
         buf.owner = lay
         what = f"all-gather of '{lay.fqn}' ({state.kind.value} pass, step {self.step})"
         pending = self.comm.all_gather(buf.tensor, self._slots[lay.index], what)
@@ -324,9 +365,14 @@ class GTPEngine:
         with torch._C.DisableTorchFunctionSubclass():
             param = self.params[lay.index]
             prev = self._pending_reduce
-            direct = param.grad is None and (prev is None or prev.layout is not lay)
-            out = self._grad_slots[lay.index] if direct else self._take_staging(lay)
-            full = lay.padded_rows_view(grad.to(lay.dtype))
+            dtype = self.reduce_dtype or grad.dtype
+            direct = (
+                dtype == lay.dtype
+                and param.grad is None
+                and (prev is None or prev.layout is not lay)
+            )
+            out = self._grad_slots[lay.index] if direct else self._take_staging(lay, dtype)
+            full = lay.padded_rows_view(grad.to(dtype))
             what = f"reduce-scatter of the gradient of '{lay.fqn}' (step {self.step})"
             self._pending_reduce = PendingReduce(
                 lay, out, direct, self.comm.reduce_scatter(out, full, what)
@@ -336,11 +382,11 @@ class GTPEngine:
             if prev is not None:
                 self._finalize(prev)
 
-    def _take_staging(self, lay: ShardLayout) -> torch.Tensor:
-        free = self._staging.setdefault((lay.slot_numel, lay.dtype), [])
+    def _take_staging(self, lay: ShardLayout, dtype: torch.dtype) -> torch.Tensor:
+        free = self._staging.setdefault((lay.slot_numel, dtype), [])
         if free:
             return free.pop()
-        return torch.empty(lay.slot_numel, dtype=lay.dtype, device=self.device)
+        return torch.empty(lay.slot_numel, dtype=dtype, device=self.device)
 
     def _finalize(self, pr: PendingReduce) -> None:
         """Complete a reduce-scatter, reduce over dp, and land it in the shard's grad."""
@@ -357,7 +403,7 @@ class GTPEngine:
                 param.grad.copy_(local.movedim(0, lay.dim))
             else:
                 param.grad.add_(local.movedim(0, lay.dim))
-            self._staging[(lay.slot_numel, lay.dtype)].append(pr.out)
+            self._staging[(lay.slot_numel, pr.out.dtype)].append(pr.out)
 
     # ---- helpers for the public API -----------------------------------------------------
 
@@ -371,6 +417,21 @@ class GTPEngine:
 
     def reset_stats(self) -> None:
         self.stats = Stats(peak_gathered_bytes=self.pool.total_bytes)
+        self.storage.casts = 0
+
+
+class _CastGrad(torch.autograd.Function):
+    """A replicated parameter used through its compute-dtype copy; the gradient is cast back
+    and accumulates into the parameter's `.grad` as usual."""
+
+    @staticmethod
+    def forward(ctx, param, cast):  # type: ignore[override]
+        ctx.dtype = param.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad.to(ctx.dtype), None
 
 
 class _RouteGrad(torch.autograd.Function):

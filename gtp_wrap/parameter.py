@@ -42,11 +42,13 @@ class _OpenPasses:
     count = 0
 
 
-class ShardedParameter(nn.Parameter):
+class GTPParameter(nn.Parameter):
     """A parameter holding this rank's rows of a sharded weight (see module docstring)."""
 
-    _gtp_layout: ShardLayout
+    _gtp_layout: ShardLayout | None  # None: a replicated parameter used in the compute dtype
     _gtp_engine: GTPEngine
+    _gtp_cast: torch.Tensor  # replicated only: its copy in the compute dtype
+    _gtp_cast_version: int
     _gtp_meta: torch.Tensor  # the logical full shape, on the meta device
 
     @classmethod
@@ -60,48 +62,49 @@ class ShardedParameter(nn.Parameter):
             if engine is None or not engine.intercepting():
                 return func(*args, **kwargs)
             if func in _SHAPE_FUNCS:
-                args, kwargs = tree_map_only(ShardedParameter, _meta, (args, kwargs))
+                args, kwargs = tree_map_only(GTPParameter, _meta, (args, kwargs))
                 return func(*args, **kwargs)
             if getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
                 return func(*args, **kwargs)
             return engine.call_with_full_weights(func, args, kwargs)
 
 
-def _meta(p: ShardedParameter) -> torch.Tensor:
+def _meta(p: GTPParameter) -> torch.Tensor:
     return p._gtp_meta
 
 
 def _engine_of(args: tuple, kwargs: dict) -> GTPEngine | None:
     for a in args:
-        if type(a) is ShardedParameter:
+        if type(a) is GTPParameter:
             return a._gtp_engine
     found: list[GTPEngine] = []
 
-    def visit(p: ShardedParameter) -> ShardedParameter:
+    def visit(p: GTPParameter) -> GTPParameter:
         found.append(p._gtp_engine)
         return p
 
-    tree_map_only(ShardedParameter, visit, (args, kwargs))
+    tree_map_only(GTPParameter, visit, (args, kwargs))
     return found[0] if found else None
 
 
 # Note: optimizers pick their fast multi-tensor (foreach) kernels only for parameters whose
 # exact type is listed here, and fall back to one small kernel per tensor otherwise (measured:
-# ~19 ms of host time per AdamW step on a 1.4B model). Outside passes a ShardedParameter is a
+# ~19 ms of host time per AdamW step on a 1.4B model). Outside passes a GTPParameter is a
 # plain strided tensor to every kernel, so it is safe to list.
 _optim_types = getattr(
     importlib.import_module("torch.optim.optimizer"), "_foreach_supported_types", None
 )
-if isinstance(_optim_types, list) and ShardedParameter not in _optim_types:
-    _optim_types.append(ShardedParameter)
+if isinstance(_optim_types, list) and GTPParameter not in _optim_types:
+    _optim_types.append(GTPParameter)
 
 
-def make_sharded_parameter(
-    data: torch.Tensor, requires_grad: bool, layout: ShardLayout, engine: GTPEngine
-) -> ShardedParameter:
-    """Register `data` (a view into the flat storage) as the parameter of `layout`."""
-    p = ShardedParameter(data, requires_grad=requires_grad)
+def make_gtp_parameter(
+    data: torch.Tensor, requires_grad: bool, layout: ShardLayout | None, engine: GTPEngine
+) -> GTPParameter:
+    """`data` (a view into the flat storage, or a replicated tensor) as an engine parameter."""
+    p = GTPParameter(data, requires_grad=requires_grad)
     p._gtp_layout = layout
     p._gtp_engine = engine
-    p._gtp_meta = torch.empty(layout.shape, dtype=layout.dtype, device="meta")
+    shape = layout.shape if layout is not None else data.shape
+    p._gtp_meta = torch.empty(shape, dtype=data.dtype, device="meta")
     return p

@@ -22,6 +22,16 @@ from .errors import PolicyError
 Action = Literal["shard", "replicate"]
 _ACTIONS = ("shard", "replicate")
 _GLOB_CHARS = frozenset("*?[")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+
+
+def policy_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype a policy's dtype name stands for (None stays None)."""
+    return None if name is None else _DTYPES[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +94,11 @@ class GTPPolicy:
             "sum" adds them.
         collective_timeout_s: a collective that has not completed after this long raises
             CollectiveTimeoutError naming the weight (on gloo; NCCL uses its group's timeout).
+        param_dtype: the dtype weights are gathered and computed in ("bfloat16", "float16");
+            None keeps the parameters' dtype. Shards, optimizer state and `.grad` stay in the
+            parameters' own dtype (fp32 masters); each shard is cast once per step.
+        reduce_dtype: the dtype weight gradients are reduce-scattered in ("float32"); None
+            uses param_dtype's gradients as they come.
     """
 
     rules: tuple[LayerRule, ...] = (
@@ -95,8 +110,14 @@ class GTPPolicy:
     pad_for_alignment: bool = True
     loss_reduction: Literal["mean", "sum"] = "mean"
     collective_timeout_s: float = 300.0
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise PolicyError(f"{name}={value!r} is not a dtype; use one of {sorted(_DTYPES)}")
         rules = tuple(_coerce_rule(r) for r in self.rules)
         object.__setattr__(self, "rules", rules)
         if self.min_shard_numel < 0:

@@ -100,16 +100,44 @@ class ShardLayout:
 
 
 class FlatStorage:
-    """One flat tensor per dtype holding this rank's slots of every sharded weight, and a flat
-    gradient tensor of the same layout that the parameters' `.grad` views point into."""
+    """One flat tensor per dtype holding this rank's slots of every sharded weight, a flat
+    gradient tensor of the same layout that the parameters' `.grad` views point into, and, with
+    a compute dtype, a same-layout copy in that dtype which gathers read.
 
-    def __init__(self, layouts: list[ShardLayout], device: torch.device) -> None:
+    Note: the parameters are views of `params[dtype]` and share its version counter, so one
+    integer comparison tells whether any shard changed (an optimizer step, a load) since the
+    compute copy was made: the cast runs once per step, not once per use.
+    """
+
+    def __init__(
+        self, layouts: list[ShardLayout], device: torch.device, compute_dtype: torch.dtype | None
+    ) -> None:
         self.params: dict[torch.dtype, torch.Tensor] = {}
         self.grads: dict[torch.dtype, torch.Tensor] = {}
+        self.compute: dict[torch.dtype, torch.Tensor] = {}
+        self._cast_version: dict[torch.dtype, int] = {}
+        self.casts = 0
         for dtype in dict.fromkeys(lay.dtype for lay in layouts):
             numel = max(lay.offset + lay.slot_numel for lay in layouts if lay.dtype == dtype)
             self.params[dtype] = torch.zeros(numel, dtype=dtype, device=device)
             self.grads[dtype] = torch.zeros(numel, dtype=dtype, device=device)
+            cdtype = compute_dtype or dtype
+            self.compute[dtype] = (
+                self.params[dtype]
+                if cdtype == dtype
+                else torch.zeros(numel, dtype=cdtype, device=device)
+            )
+
+    def refresh_compute(self) -> None:
+        """Re-cast the compute copies whose shards changed since the last cast."""
+        for dtype, flat in self.params.items():
+            compute = self.compute[dtype]
+            if compute is flat or self._cast_version.get(dtype) == flat._version:
+                continue
+            with torch.no_grad():
+                compute.copy_(flat)
+            self._cast_version[dtype] = flat._version
+            self.casts += 1
 
     @staticmethod
     def assign_offsets(

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from gtp_wrap import GTPPolicy, GTPWrap, LayerRule
-from gtp_wrap.parameter import ShardedParameter
+from gtp_wrap.parameter import GTPParameter
 from gtp_wrap.policy import plan_parameters, resolve_policy
 
 
@@ -63,7 +63,7 @@ def test_tied_parameter_is_planned_once_and_stays_shared() -> None:
     assert len(tied) == 1 and tied[0].fqns == ("wte.weight", "head.weight")
     GTPWrap(model, GTPPolicy(min_shard_numel=0))
     assert model.head.weight is model.wte.weight
-    assert isinstance(model.wte.weight, ShardedParameter)
+    assert isinstance(model.wte.weight, GTPParameter)
 
 
 def test_policy_from_yaml_and_dictconfig(tmp_path) -> None:
