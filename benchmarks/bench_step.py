@@ -1,0 +1,273 @@
+"""Step time, throughput and memory of GTP against DDP, FSDP2 and the compute floor, side by side.
+
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out benchmarks/results
+    python benchmarks/bench_step.py --smoke          # CPU, 2 gloo ranks, seconds, no timing claims
+
+Every method trains the same Llama-style model (gtp_wrap.app.model) on the same batch, sequence
+length and seed, with AdamW:
+- floor: bf16 model on one GPU, forward + backward with no communication, plus an AdamW step on
+  1/N of the parameters (fp32): what perfect overlap would give;
+- ddp: fp32 parameters, bf16 autocast, DistributedDataParallel;
+- fsdp2: fully_shard on every block and the root, bf16 param_dtype, fp32 reduce_dtype;
+- gtp: GTPWrap with the default policy, bf16 gathers (param_dtype), fp32 reductions.
+Each reports the median step time over the timed steps after warm-up, tokens/s per GPU, MFU
+and peak memory; the table adds GTP/floor and GTP/FSDP2. Results go to JSON and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import gtp_wrap
+from gtp_wrap import GTPWrap
+from gtp_wrap.app.model import GPT, GPTConfig
+
+MODELS = {
+    "1.36B": GPTConfig(vocab=32000, d=2048, layers=24, heads=16, ffn=5632, max_seq=2048,
+                       tie_embeddings=False),
+    "125M": GPTConfig(vocab=32000, d=768, layers=12, heads=12, ffn=2048, max_seq=2048),
+    "smoke": GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=172, max_seq=64),
+}  # fmt: skip
+PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
+METHODS = ("floor", "ddp", "fsdp2", "gtp")
+
+
+def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(cfg).to(dtype)
+
+
+def _build(method: str, cfg: GPTConfig, device: torch.device, world: int):
+    """(model, optimizer, autocast dtype or None, extra optimizer for the floor)."""
+    if method == "floor":
+        model = _model(cfg, device, torch.bfloat16)
+        shard = torch.zeros(math.ceil(cfg.n_params / world), device=device, requires_grad=True)
+        shard.grad = torch.zeros_like(shard)
+        return model, torch.optim.AdamW([shard], lr=1e-4), None
+    model = _model(cfg, device, torch.float32)
+    if method == "ddp":
+        model = DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.bfloat16
+    if method == "fsdp2":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None
+    policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    if cfg.d < 512:
+        policy["min_shard_numel"] = 0
+    GTPWrap(model, policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, steps: int,
+            device: torch.device) -> dict:  # fmt: skip
+    world = dist.get_world_size()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model, optim, autocast = _build(method, cfg, device, world)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    idx = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(device)
+    x, y = idx[:, :-1], idx[:, 1:]
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        began = time.perf_counter()
+        ctx = torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext()
+        with ctx:
+            logits = model(x)
+        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        optim.step()
+        if method != "floor":
+            optim.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - began)
+        elif i == warmup - 1 and method == "gtp":
+            gtp_wrap.reset_stats(model)  # count the timed (steady-state) steps only
+    step = statistics.median(times)
+    tokens = batch * seq
+    flops = 6 * cfg.n_params * tokens + 12 * cfg.layers * cfg.d * seq * tokens
+    out = {
+        "method": method,
+        "step_ms": 1e3 * step,
+        "tokens_per_s_per_gpu": tokens / step,
+        "mfu": flops / step / PEAK_BF16_FLOPS,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda"
+        else None,
+    }
+    if method == "gtp":
+        s = gtp_wrap.stats(model)
+        out["blocking_by_pass"] = s["blocking_by_pass"]
+    del model, optim
+    return out
+
+
+def run(device: torch.device, args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for model_name, batches in args.plan:
+        cfg = MODELS[model_name]
+        for batch in batches:
+            for method in args.methods:
+                r = measure(method, cfg, batch, args.seq, args.warmup, args.steps, device)
+                r |= {"model": model_name, "batch": batch, "seq": args.seq}
+                rows.append(r)
+                if dist.get_rank() == 0:
+                    print(
+                        f"{model_name:>6} b{batch} {method:>6}: {r['step_ms']:8.1f} ms", flush=True
+                    )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        f"{'model':>6} {'batch':>5} {'method':>6} {'step ms':>9} {'tok/s/GPU':>10} {'MFU':>6} "
+        f"{'peak GiB':>9} {'GTP/floor':>9} {'GTP/FSDP2':>9}"
+    ]
+    for r in rows:
+        same = {
+            x["method"]: x for x in rows if x["model"] == r["model"] and x["batch"] == r["batch"]
+        }
+        ratio_floor = ratio_fsdp = ""
+        if r["method"] == "gtp":
+            if "floor" in same:
+                ratio_floor = f"{r['step_ms'] / same['floor']['step_ms']:.2f}"
+            if "fsdp2" in same:
+                ratio_fsdp = f"{r['step_ms'] / same['fsdp2']['step_ms']:.2f}"
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        lines.append(
+            f"{r['model']:>6} {r['batch']:>5} {r['method']:>6} {r['step_ms']:>9.1f} "
+            f"{r['tokens_per_s_per_gpu']:>10.0f} {r['mfu']:>6.1%} {mem:>9} "
+            f"{ratio_floor:>9} {ratio_fsdp:>9}"
+        )
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    width = 0.8 / len(METHODS)
+    for i, method in enumerate(METHODS):
+        ys = [next((r["step_ms"] for r in rows if (r["model"], r["batch"]) == g
+                    and r["method"] == method), 0) for g in groups]  # fmt: skip
+        ax.bar([j + i * width for j in range(len(groups))], ys, width, label=method)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"{m}\nbatch {b}x{rows[0]['seq']}" for m, b in groups])
+    ax.set_ylabel("step time (ms, lower is better)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, 2 gloo ranks, tiny model")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--plan", default="1.36B:1,4,8;125M:1,8",
+                    help="model:batches;... (models: 1.36B, 125M, smoke)")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.seq, args.warmup, args.steps, args.plan = 32, 1, 2, "smoke:2"
+    args.plan = [
+        (name, [int(b) for b in batches.split(",")])
+        for name, batches in (item.split(":") for item in args.plan.split(";"))
+    ]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if "LOCAL_RANK" not in os.environ:
+        if not args.smoke:
+            sys.exit("run under torchrun (see the module docstring), or pass --smoke")
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        mp.spawn(_smoke_rank, args=(args,), nprocs=2)
+        return
+    local = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rows = run(device, args)
+    if dist.get_rank() == 0:
+        report(rows, args, device)
+    dist.destroy_process_group()
+
+
+def _smoke_rank(rank: int, args: argparse.Namespace) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rows = run(torch.device("cpu"), args)
+    if rank == 0:
+        report(rows, args, torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def report(rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "world": dist.get_world_size(),
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor(),
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
+        "python": platform.python_version(),
+    }
+    (args.out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    chart(rows, args.out / "bench.png")
+    print(table(rows))
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()
