@@ -19,10 +19,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from . import fp8
 from .buffers import GatherBufferPool
 from .chain import Gather, PassKind, PassState, first_difference
 from .comm import Comm, Pending, stable_hash
-from .errors import ChainMismatchError, WrapError
+from .errors import ChainMismatchError, PolicyError, WrapError
 from .mesh import GTPMesh
 from .parameter import GTPParameter, _OpenPasses, make_gtp_parameter
 from .policy import GTPPolicy, ParameterPlan, policy_dtype
@@ -90,6 +91,12 @@ class GTPEngine:
         self._staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
         self._check_ranks_agree(plans)
+        self.fp8 = policy.gather_dtype is not None
+        if self.fp8:
+            try:
+                fp8.fp8_dtype()
+            except TypeError as e:
+                raise PolicyError(str(e)) from e
         sharded = [p for p in plans if p.shard_dim is not None]
         self.device = sharded[0].param.device if sharded else torch.device("cpu")
         self.layouts = FlatStorage.assign_offsets(
@@ -97,11 +104,14 @@ class GTPEngine:
             rank=mesh.gtp_rank,
             world=mesh.gtp_size,
             align=policy.pad_for_alignment,
+            block=fp8.BLOCK if self.fp8 else 1,
         )
         self.fqns = [p.fqns for p in sharded]
         self.param_dtype = policy_dtype(policy.param_dtype)
         self.reduce_dtype = policy_dtype(policy.reduce_dtype)
         self.storage = FlatStorage(self.layouts, self.device, self.param_dtype)
+        if self.fp8:
+            self.storage.enable_fp8(self.layouts)
         self.pool = GatherBufferPool(self.device)
         self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]
         # Views used on every weight use, made once here rather than per use.
@@ -182,7 +192,7 @@ class GTPEngine:
         return bool(self._passes) or torch._C._current_graph_task_id() != -1
 
     def _begin_pass(self, kind: PassKind) -> PassState:
-        if self.param_dtype is not None:
+        if self.param_dtype is not None or self.fp8:
             self._refresh_casts()
         state = PassState(kind, self._chains.get(kind))
         self._passes.append(state)
@@ -304,10 +314,15 @@ class GTPEngine:
         return self._complete(gather, state, blocking)
 
     def _issue(self, lay: ShardLayout, state: PassState, position: int | None) -> Gather:
-        buf = self.pool.reserve(lay.gathered_numel, self._slots[lay.index].dtype)
-        buf.owner = lay
         what = f"all-gather of '{lay.fqn}' ({state.kind.value} pass, step {self.step})"
-        pending = self.comm.all_gather(buf.tensor, self._slots[lay.index], what)
+        if self.fp8:  # the packed FP8 slots; dequantized when the gather is consumed
+            send = self.storage.packed_slots[lay.index]
+            buf = self.pool.reserve(lay.world * send.numel(), torch.uint8)
+        else:
+            send = self._slots[lay.index]
+            buf = self.pool.reserve(lay.gathered_numel, send.dtype)
+        buf.owner = lay
+        pending = self.comm.all_gather(buf.tensor, send, what)
         self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.pool.total_bytes)
         self.stats.gathers += 1
         self.stats.bytes_gathered += buf.nbytes
@@ -320,8 +335,15 @@ class GTPEngine:
 
     def _complete(self, gather: Gather, state: PassState, blocking: bool) -> torch.Tensor:
         self.comm.wait(gather.pending)
-        self.pool.hand_out(gather.buffer)
-        full = gather.layout.full_view(gather.buffer.tensor)
+        buf, lay = gather.buffer, gather.layout
+        if self.fp8:
+            out = self.pool.reserve(lay.gathered_numel, self.param_dtype or lay.dtype)
+            out.owner = lay
+            fp8.dequantize_into(buf.tensor, lay.world, lay.slot_numel, out.tensor)
+            self.pool.hand_out(buf)
+            buf = out
+        self.pool.hand_out(buf)
+        full = lay.full_view(buf.tensor)
         if blocking:
             self.stats.blocking_gathers += 1
             key = state.kind.value

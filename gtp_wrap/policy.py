@@ -99,6 +99,9 @@ class GTPPolicy:
             parameters' own dtype (fp32 masters); each shard is cast once per step.
         reduce_dtype: the dtype weight gradients are reduce-scattered in ("float32"); None
             uses param_dtype's gradients as they come.
+        gather_dtype: "fp8" to gather float8_e4m3fn shards with a scale per 128-element block
+            (quantized once per step, dequantized to param_dtype for the GEMM); None gathers in
+            param_dtype.
     """
 
     rules: tuple[LayerRule, ...] = (
@@ -112,12 +115,17 @@ class GTPPolicy:
     collective_timeout_s: float = 300.0
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    gather_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
                 raise PolicyError(f"{name}={value!r} is not a dtype; use one of {sorted(_DTYPES)}")
+        if self.gather_dtype not in (None, "fp8", "float8_e4m3fn"):
+            raise PolicyError(
+                f"gather_dtype={self.gather_dtype!r} is not supported; use 'fp8' or null"
+            )
         rules = tuple(_coerce_rule(r) for r in self.rules)
         object.__setattr__(self, "rules", rules)
         if self.min_shard_numel < 0:

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from . import fp8
+
 _ALIGN_BYTES = 128
 
 
@@ -118,7 +120,8 @@ class FlatStorage:
         self._cast_version: dict[torch.dtype, int] = {}
         self.casts = 0
         for dtype in dict.fromkeys(lay.dtype for lay in layouts):
-            numel = max(lay.offset + lay.slot_numel for lay in layouts if lay.dtype == dtype)
+            same = [lay for lay in layouts if lay.dtype == dtype]
+            numel = max(lay.offset + fp8.padded(lay.slot_numel) for lay in same)
             self.params[dtype] = torch.zeros(numel, dtype=dtype, device=device)
             self.grads[dtype] = torch.zeros(numel, dtype=dtype, device=device)
             cdtype = compute_dtype or dtype
@@ -128,22 +131,63 @@ class FlatStorage:
                 else torch.zeros(numel, dtype=cdtype, device=device)
             )
 
+    def enable_fp8(self, layouts: list[ShardLayout]) -> None:
+        """Add packed FP8 slots (payload, then block scales) that gathers send instead."""
+        self.packed: dict[torch.dtype, torch.Tensor] = {}
+        self.packed_slots: list[torch.Tensor] = []
+        self._fp8_targets: dict[torch.dtype, tuple[list, list, list, list]] = {}
+        ends: dict[torch.dtype, int] = {}
+        spans = []
+        for lay in layouts:
+            start = ends.get(lay.dtype, 0)
+            ends[lay.dtype] = start + fp8.packed_bytes(lay.slot_numel)
+            spans.append(start)
+        for dtype, n in ends.items():
+            self.packed[dtype] = torch.zeros(n, dtype=torch.uint8, device=self.params[dtype].device)
+            self._fp8_targets[dtype] = ([], [], [], [])
+        for lay, start in zip(layouts, spans):
+            q = fp8.padded(lay.slot_numel)
+            packed = self.packed[lay.dtype][start : start + fp8.packed_bytes(lay.slot_numel)]
+            self.packed_slots.append(packed)
+            first, nblocks = lay.offset // fp8.BLOCK, q // fp8.BLOCK
+            payloads, scales, block_ranges, _ = self._fp8_targets[lay.dtype]
+            payloads.append(packed[:q])
+            scales.append(packed[q:].view(torch.float32))
+            block_ranges.append((first, first + nblocks))
+
     def refresh_compute(self) -> None:
-        """Re-cast the compute copies whose shards changed since the last cast."""
+        """Re-cast (or re-quantize) the compute copies whose shards changed since the last time."""
         for dtype, flat in self.params.items():
             compute = self.compute[dtype]
-            if compute is flat or self._cast_version.get(dtype) == flat._version:
+            fp8_targets = getattr(self, "_fp8_targets", {}).get(dtype)
+            if self._cast_version.get(dtype) == flat._version:
+                continue
+            if compute is flat and fp8_targets is None:
                 continue
             with torch.no_grad():
-                compute.copy_(flat)
+                if compute is not flat:
+                    compute.copy_(flat)
+                if fp8_targets is not None:
+                    payload, scale = fp8.quantize(flat.view(-1, fp8.BLOCK))
+                    payloads, scales, ranges, _ = fp8_targets
+                    torch._foreach_copy_(
+                        payloads + scales,
+                        [payload[a:b].reshape(-1) for a, b in ranges]
+                        + [scale[a:b] for a, b in ranges],
+                    )
             self._cast_version[dtype] = flat._version
             self.casts += 1
 
     @staticmethod
     def assign_offsets(
-        shapes: list[tuple[str, torch.Size, int, torch.dtype]], rank: int, world: int, align: bool
+        shapes: list[tuple[str, torch.Size, int, torch.dtype]],
+        rank: int,
+        world: int,
+        align: bool,
+        block: int = 1,
     ) -> list[ShardLayout]:
-        """Lay the slots out back to back per dtype, each start aligned when asked."""
+        """Lay the slots out back to back per dtype, each start aligned when asked; with a
+        `block` (FP8 quantization) every slot starts and ends on a whole block."""
         ends: dict[torch.dtype, int] = {}
         layouts = []
         for index, (fqn, shape, dim, dtype) in enumerate(shapes):
@@ -151,7 +195,8 @@ class FlatStorage:
             if align:
                 step = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
                 offset = -(-offset // step) * step
+            offset = -(-offset // block) * block
             lay = ShardLayout(index, fqn, shape, dim, rank, world, dtype, offset)
-            ends[dtype] = offset + lay.slot_numel
+            ends[dtype] = offset + -(-lay.slot_numel // block) * block
             layouts.append(lay)
         return layouts

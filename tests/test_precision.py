@@ -3,17 +3,19 @@ gradients reduced in fp32; training quality close to fp32."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import run_ranks
 from models import TinyGPT
 
 import gtp_wrap
-from gtp_wrap import GTPWrap
+from gtp_wrap import GTPWrap, PolicyError, fp8
 from gtp_wrap.app.data import DataConfig, TokenStream
 from gtp_wrap.app.model import GPT, GPTConfig
 
 BF16 = {"min_shard_numel": 0, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
+FP8 = BF16 | {"gather_dtype": "fp8"}
 
 
 def _steps(rank: int, world: int, policy: dict, steps: int = 3) -> dict:
@@ -83,3 +85,51 @@ def test_bf16_training_ends_within_half_a_percent_of_fp32() -> None:
     bf16 = _train_gpt(BF16)
     assert fp32 < 3.5  # it learned something
     assert abs(bf16 - fp32) / fp32 < 0.005, (bf16, fp32)
+
+
+def test_fp8_round_trip_is_within_the_e4m3_bound() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, fp8.BLOCK, generator=g) * torch.logspace(-4, 2, 64)[:, None]
+    x[3, 7] = 1e4  # an outlier only degrades its own block
+    payload, scale = fp8.quantize(x)
+    packed = torch.cat([payload.reshape(-1), scale.view(torch.uint8)])
+    out = torch.empty(x.numel())
+    fp8.dequantize_into(packed, 1, x.numel(), out)
+    err = (out.view_as(x) - x).abs()
+    bound = torch.maximum(x.abs() * 2**-4, scale[:, None] * 2**-10)
+    assert (err <= bound * (1 + 1e-6)).all()
+    assert scale[4] < scale[3] / 100  # the outlier coarsens only its own block
+
+
+def test_fp8_pads_small_weights_instead_of_rejecting_them() -> None:
+    numel = 37  # far below one block
+    assert fp8.padded(numel) == fp8.BLOCK and fp8.packed_bytes(numel) == fp8.BLOCK + 4
+    x = torch.randn(1, numel)
+    blocks = torch.zeros(1, fp8.BLOCK)
+    blocks[0, :numel] = x
+    payload, scale = fp8.quantize(blocks)
+    out = torch.empty(numel)
+    fp8.dequantize_into(torch.cat([payload.reshape(-1), scale.view(torch.uint8)]), 1, numel, out)
+    torch.testing.assert_close(out, x.view(-1), rtol=2**-4, atol=0)
+
+
+def test_fp8_gathers_move_about_one_byte_per_element() -> None:
+    fp8_run = run_ranks(_steps, 2, FP8)
+    bf16_run = run_ranks(_steps, 2, BF16)
+    elements = bf16_run[0]["stats"]["bytes_gathered"] / 2  # bf16: 2 bytes per element
+    per_element = fp8_run[0]["stats"]["bytes_gathered"] / elements
+    assert 1.0 < per_element < 1.05, per_element
+    assert fp8_run[0]["stats"]["weight_casts"] == 2  # quantized once per step
+    torch.testing.assert_close(fp8_run[0]["losses"], bf16_run[0]["losses"], rtol=2e-2, atol=0)
+
+
+def test_fp8_training_ends_within_two_percent_of_bf16() -> None:
+    bf16 = _train_gpt(BF16)
+    low = _train_gpt(FP8)
+    assert abs(low - bf16) / bf16 < 0.02, (low, bf16)
+
+
+def test_fp8_without_float8_dtypes_names_the_alternative(monkeypatch) -> None:
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(PolicyError, match="param_dtype: bfloat16"):
+        GTPWrap(TinyGPT(), FP8)
