@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -91,6 +92,7 @@ def _sync(device: torch.device) -> None:
 def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, steps: int,
             device: torch.device) -> dict:  # fmt: skip
     world = dist.get_world_size()
+    gc.collect()  # engines and FSDP states hold reference cycles: free the previous method
     if device.type == "cuda":
         torch.cuda.empty_cache()
     model, optim, autocast = _build(method, cfg, device, world)
@@ -204,13 +206,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS)
     ap.add_argument("--plan", default="1.36B:1,4,8;125M:1,8",
                     help="model:batches;... (models: 1.36B, 125M, smoke)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     if args.smoke:
-        args.seq, args.warmup, args.steps, args.plan = 32, 1, 2, "smoke:2"
+        args.seq, args.warmup, args.steps, args.plan, args.rounds = 32, 1, 2, "smoke:2", 1
     args.plan = [
         (name, [int(b) for b in batches.split(",")])
         for name, batches in (item.split(":") for item in args.plan.split(";"))
