@@ -93,8 +93,10 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
             device: torch.device) -> dict:  # fmt: skip
     world = dist.get_world_size()
     gc.collect()  # engines and FSDP states hold reference cycles: free the previous method
+    baseline = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        baseline = torch.cuda.memory_allocated(device)  # whatever earlier methods left behind
     model, optim, autocast = _build(method, cfg, device, world)
     if device.type == "cuda":  # training memory: every method builds the full model first
         torch.cuda.reset_peak_memory_stats(device)
@@ -127,7 +129,7 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
         "step_ms": 1e3 * step,
         "tokens_per_s_per_gpu": tokens / step,
         "mfu": flops / step / PEAK_BF16_FLOPS,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30
+        "peak_mem_gib": (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
         if device.type == "cuda"
         else None,
     }
