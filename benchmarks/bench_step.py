@@ -22,9 +22,7 @@ import contextlib
 import gc
 import json
 import math
-import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -38,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
+from gtp_wrap.app.launch import launch, under_torchrun
 from gtp_wrap.app.model import GPT, GPTConfig
 
 MODELS = {
@@ -225,39 +224,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    if "LOCAL_RANK" not in os.environ:
-        if not args.smoke:
-            sys.exit("run under torchrun (see the module docstring), or pass --smoke")
-        import torch.multiprocessing as mp
+    if not under_torchrun() and not args.smoke:
+        sys.exit("run under torchrun (see the module docstring), or pass --smoke")
+    launch(_bench_rank, 2, args)  # torchrun's ranks, or 2 spawned CPU ranks for --smoke
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        mp.spawn(_smoke_rank, args=(args,), nprocs=2)
-        return
-    local = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+
+def _bench_rank(device: torch.device, args: argparse.Namespace) -> None:
     rows = run(device, args)
     if dist.get_rank() == 0:
         report(rows, args, device)
-    dist.destroy_process_group()
-
-
-def _smoke_rank(rank: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rows = run(torch.device("cpu"), args)
-    if rank == 0:
-        report(rows, args, torch.device("cpu"))
-    dist.destroy_process_group()
 
 
 def report(rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:

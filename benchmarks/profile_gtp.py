@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 2 benchmarks/profile_gtp.py --out prof/
 
-Writes a torch.profiler Chrome trace per rank and a JSON summary with: the share of all-gather
+The model is the reference Llama-style GPT (bf16 weights, no fp32 masters). Writes a
+torch.profiler Chrome trace per rank and a JSON summary with: the share of all-gather
 and reduce-scatter kernel time that overlaps GEMM kernels, step time, and the host time spent
 in GTP's hooks per weight use (interception, pack/unpack, reduce-scatter issue, excluding the
 wrapped op itself).
@@ -21,48 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from bench_step import MODELS
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
+from gtp_wrap.app.model import GPT
 from gtp_wrap.engine import GTPEngine
 from gtp_wrap.parameter import _ATTRIBUTE_ACCESS, _SHAPE_FUNCS, GTPParameter
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(d), nn.RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.o = nn.Linear(d, d, bias=False)
-        self.gate_up = nn.Linear(d, 2 * ffn, bias=False)
-        self.down = nn.Linear(ffn, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, -1).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
-
-
-class Model(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, heads, ffn) for _ in range(layers))
-        self.norm = nn.RMSNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
 
 
 class HookTimer:
@@ -158,11 +124,7 @@ def analyse_trace(path: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--d", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--ffn", type=int, default=5632)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--model", default="1.36B", choices=sorted(MODELS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)
@@ -176,12 +138,13 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank = dist.get_rank()
     torch.manual_seed(0)
+    cfg = MODELS[args.model]
     with torch.device("cuda"):
-        model = Model(args.vocab, args.d, args.layers, args.heads, args.ffn).to(torch.bfloat16)
+        model = GPT(cfg).to(torch.bfloat16)
     GTPWrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     timer = HookTimer()
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
+    idx = torch.randint(0, cfg.vocab, (args.batch, args.seq), device="cuda")
 
     def step() -> None:
         loss = F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten())
