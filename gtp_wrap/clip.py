@@ -18,18 +18,20 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     engine = engine_of(module)
     with torch._C.DisableTorchFunctionSubclass():
         sharded_ids = {id(p) for p in engine.params}
-        sharded = [p for p in engine.params if p.grad is not None]
-        replicated = [
+        sharded: list[torch.Tensor] = [p for p in engine.params if p.grad is not None]
+        replicated: list[torch.Tensor] = [
             p for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None
         ]
         device = engine.device
         norm_type = float(norm_type)
         zero = torch.zeros((), device=device)
         local = (
-            torch.nn.utils.get_total_norm([p.grad for p in sharded], norm_type) if sharded else zero
+            torch.nn.utils.get_total_norm([_grad(p) for p in sharded], norm_type)
+            if sharded
+            else zero
         )
         rest = (
-            torch.nn.utils.get_total_norm([p.grad for p in replicated], norm_type)
+            torch.nn.utils.get_total_norm([_grad(p) for p in replicated], norm_type)
             if replicated
             else zero
         )
@@ -43,3 +45,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
             total = (powered + rest.pow(norm_type)).pow(1.0 / norm_type)
         torch.nn.utils.clip_grads_with_norm_(sharded + replicated, max_norm, total)
     return total
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None  # filtered above
+    return p.grad

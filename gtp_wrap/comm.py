@@ -4,6 +4,12 @@ Every collective is issued asynchronously and completed through `Comm.wait`, the
 turns a stuck collective into a CollectiveTimeoutError. On NCCL, `Work.wait()` only makes the
 current stream wait (no host sync), and a timed wait would block the host, so the process
 group's own timeout (its watchdog) applies there instead.
+
+Note: the "side stream" of the design is NCCL's own. An async collective runs on the process
+group's internal stream after waiting for the work already queued on the current stream (so a
+gather never overwrites a buffer an earlier kernel still reads), and `wait()` makes the current
+stream wait for it with an event. A prefetch issued before the current use's GEMM is queued
+therefore runs under that GEMM, with no stream or event management of our own.
 """
 
 from __future__ import annotations

@@ -91,12 +91,13 @@ class GTPEngine:
         self._staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
         self._check_ranks_agree(plans)
-        self.fp8 = policy.gather_dtype is not None
-        if self.fp8:
+        if policy.gather_dtype is not None:
             try:
                 fp8.fp8_dtype()
             except TypeError as e:
                 raise PolicyError(str(e)) from e
+        # A GTP group of one gathers nothing, so it quantizes nothing either.
+        self.fp8 = policy.gather_dtype is not None and mesh.gtp_size > 1
         sharded = [p for p in plans if p.shard_dim is not None]
         self.device = sharded[0].param.device if sharded else torch.device("cpu")
         self.layouts = FlatStorage.assign_offsets(

@@ -198,9 +198,9 @@ def _load_yaml(path: str) -> Mapping[str, Any]:
             "loading a policy from YAML needs omegaconf: pip install omegaconf"
         ) from e
     data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    if not isinstance(data, Mapping):
+    if not isinstance(data, dict):
         raise PolicyError(f"policy file {path!r} must hold a mapping of GTPPolicy fields")
-    return data
+    return {str(k): v for k, v in data.items()}
 
 
 @dataclasses.dataclass(frozen=True)
