@@ -28,7 +28,7 @@ import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.app.model import GPT
 from gtp_wrap.engine import GTPEngine
-from gtp_wrap.parameter import _ATTRIBUTE_ACCESS, _SHAPE_FUNCS, GTPParameter
+from gtp_wrap.parameter import _ATTRIBUTE_ACCESS, _META_FUNCS, _TENSOR_GETTERS, GTPParameter
 
 
 class HookTimer:
@@ -41,9 +41,9 @@ class HookTimer:
         orig_tf = GTPParameter.__torch_function__.__func__  # type: ignore[attr-defined]
 
         def torch_function(cls, func, types, args=(), kwargs=None):
-            if not timer.enabled or func in _SHAPE_FUNCS:
+            if not timer.enabled or func in _META_FUNCS:
                 return orig_tf(cls, func, types, args, kwargs)
-            if getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
+            if func not in _TENSOR_GETTERS and getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
                 return orig_tf(cls, func, types, args, kwargs)
             inner = [0.0]
 

@@ -50,14 +50,19 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
         )
     resolved = resolve_policy(policy)
     plans = plan_parameters(module, resolved)
-    devices = {p.param.device for p in plans if p.shard_dim is not None}
+    devices = {p.param.device for p in plans}
     if len(devices) > 1:
         raise WrapError(
-            f"sharded parameters are on several devices {sorted(map(str, devices))}; move the "
+            f"the parameters are on several devices {sorted(map(str, devices))}; move the "
             "model to one device before wrapping"
         )
     device = devices.pop() if devices else torch.device("cpu")
-    engine = GTPEngine(module, plans, resolved, resolve_mesh(mesh, device))
+    if device.type == "meta":
+        raise WrapError(
+            "the model is on the meta device; materialize it (e.g. model.to_empty(device=...) "
+            "and initialize) before wrapping"
+        )
+    engine = GTPEngine(module, plans, resolved, resolve_mesh(mesh, device), device)
     install_state_dict_hooks(module, engine)
     object.__setattr__(module, _ENGINE_ATTR, engine)
     return module

@@ -52,7 +52,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     """The optimizer's per-parameter state keyed by parameter FQN; the state of sharded
     parameters as DTensors of the logical shape, so it reshards with the model."""
     fqn_of = {id(p): name for name, p in model.named_parameters()}
-    engine = getattr(model, "_gtp_engine", None)
+    engine = engine_of(model) if hasattr(model, "_gtp_engine") else None
     layout_of = {id(p): p._gtp_layout for p in engine.params} if engine else {}
     out: dict[str, Any] = {}
     for p, state in optimizer.state.items():
@@ -174,19 +174,19 @@ def save(
         save_file(mine, str(file))
         crc = zlib.crc32(file.read_bytes())
         (tmp / f"rank{rank}.json").write_text(json.dumps({"crc32": crc, "pieces": index}))
-        error = 0
-    except Exception:
-        error = 1
-        if world == 1:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    status = _exchange(engine, "checkpoint-written", [error], root)
+        cause: Exception | None = None
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
+        cause = e
+    status = _exchange(engine, "checkpoint-written", [int(cause is not None)], root)
     failed = [r for r, (flag,) in enumerate(status) if flag]
     if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        here = f" (here: {type(cause).__name__}: {cause})" if cause is not None else ""
         raise CheckpointError(
-            f"saving {final} failed on rank(s) {failed}; the checkpoint was not published and "
-            f"the previous checkpoints in {root} are intact"
-        )
+            f"saving {final} failed on rank(s) {failed}{here}; the checkpoint was not published "
+            f"and the previous checkpoints in {root} are intact"
+        ) from cause
     if rank == 0:
         meta = {
             "format": _FORMAT,

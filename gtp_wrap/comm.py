@@ -86,6 +86,12 @@ class Comm:
             return Pending(None, what)
         return Pending(dist.all_reduce(t, op=self.grad_op, async_op=True), what)
 
+    def broadcast_world(self, t: torch.Tensor, what: str) -> Pending:
+        """Rank 0's `t` on every rank."""
+        if self.mesh.world_size == 1:
+            return Pending(None, what)
+        return Pending(dist.broadcast(t, src=0, async_op=True), what)
+
     def wait(self, pending: Pending) -> None:
         work, pending.work = pending.work, None  # a finished Work still references its tensors
         if work is None:

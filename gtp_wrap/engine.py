@@ -72,7 +72,12 @@ class GTPEngine:
     """Owns the flat storage, the gather buffers, the chains and the hooks of one module."""
 
     def __init__(
-        self, root: nn.Module, plans: list[ParameterPlan], policy: GTPPolicy, mesh: GTPMesh
+        self,
+        root: nn.Module,
+        plans: list[ParameterPlan],
+        policy: GTPPolicy,
+        mesh: GTPMesh,
+        mesh_device: torch.device,
     ) -> None:
         self.policy = policy
         self.mesh = mesh
@@ -99,7 +104,7 @@ class GTPEngine:
         # A GTP group of one gathers nothing, so it quantizes nothing either.
         self.fp8 = policy.gather_dtype is not None and mesh.gtp_size > 1
         sharded = [p for p in plans if p.shard_dim is not None]
-        self.device = sharded[0].param.device if sharded else torch.device("cpu")
+        self.device = mesh_device
         self.layouts = FlatStorage.assign_offsets(
             [(p.fqns[0], p.param.shape, p.shard_dim, p.param.dtype) for p in sharded],  # type: ignore[misc]
             rank=mesh.gtp_rank,
@@ -110,10 +115,14 @@ class GTPEngine:
         self.fqns = [p.fqns for p in sharded]
         self.param_dtype = policy_dtype(policy.param_dtype)
         self.reduce_dtype = policy_dtype(policy.reduce_dtype)
-        self.storage = FlatStorage(self.layouts, self.device, self.param_dtype)
+        # FP8 gathers read packed FP8 slots: no compute-dtype copy of the shards is needed.
+        self.storage = FlatStorage(
+            self.layouts, self.device, None if self.fp8 else self.param_dtype
+        )
         if self.fp8:
             self.storage.enable_fp8(self.layouts)
         self.pool = GatherBufferPool(self.device)
+        self._sync_from_rank0(plans)
         self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]
         # Views used on every weight use, made once here rather than per use.
         self._slots = [lay.slot(self.storage.compute[lay.dtype]) for lay in self.layouts]
@@ -129,8 +138,9 @@ class GTPEngine:
         self.replicated = ReplicatedGrads(replicated, self.comm)
         if mesh.world_size > 1:
             self.replicated.register(self)
-        root.register_forward_pre_hook(self._pre_forward)
+        root.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         root.register_forward_hook(self._post_forward, always_call=True)
+        self._hook_owners(root, plans)
 
     # ---- wrap ---------------------------------------------------------------------------
 
@@ -161,17 +171,48 @@ class GTPEngine:
         flat = self.storage.params[lay.dtype]
         with torch.no_grad():
             lay.local_view(flat).copy_(lay.local_rows_of(plan.param.detach()))
-        param = make_gtp_parameter(lay.local_view(flat), plan.param.requires_grad, lay, self)
+        param = make_gtp_parameter(
+            lay.local_view(flat), plan.param.requires_grad, lay, self, self.param_dtype
+        )
         for module, name in plan.owners:
             module._parameters[name] = param
         return param
+
+    def _hook_owners(self, root: nn.Module, plans: list[ParameterPlan]) -> None:
+        """A submodule called on its own (`model.embed(idx)` in generation code) opens a pass
+        too, so its weights are gathered rather than silently used as local shards."""
+        opened: list[bool] = []
+
+        def pre(module: nn.Module, args: Any, kwargs: dict) -> Any:
+            # Inside backward (a checkpoint recompute) uses are intercepted already.
+            opened.append(not self._passes and torch._C._current_graph_task_id() == -1)
+            return self._pre_forward(module, args, kwargs) if opened[-1] else None
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            if opened and opened.pop():
+                self._post_forward(module, args, output)
+
+        owners = {id(m): m for plan in plans for m, _ in plan.owners if m is not root}
+        for module in owners.values():
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_hook(post, always_call=True)
+
+    def _sync_from_rank0(self, plans: list[ParameterPlan]) -> None:
+        """Start every rank from rank 0's parameters, as DDP does, so ranks that initialized
+        with different seeds still train one model."""
+        with torch.no_grad():
+            for plan in plans:
+                what = f"broadcast of '{plan.fqns[0]}' from rank 0"
+                self.comm.wait(self.comm.broadcast_world(plan.param.data, what))
 
     def _manage_replicated(self, plan: ParameterPlan) -> nn.Parameter:
         """With a compute dtype, a replicated floating-point parameter is used through a copy in
         that dtype (made once per step), so the whole forward runs in one dtype."""
         if not plan.param.is_floating_point() or plan.param.dtype == self.param_dtype:
             return plan.param
-        param = make_gtp_parameter(plan.param.detach(), plan.param.requires_grad, None, self)
+        param = make_gtp_parameter(
+            plan.param.detach(), plan.param.requires_grad, None, self, self.param_dtype
+        )
         param._gtp_cast = torch.empty_like(param, dtype=self.param_dtype)
         param._gtp_cast_version = -1
         for module, name in plan.owners:
@@ -190,7 +231,16 @@ class GTPEngine:
 
     def intercepting(self) -> bool:
         """Whether uses of sharded parameters see full weights now (inside a pass)."""
-        return bool(self._passes) or torch._C._current_graph_task_id() != -1
+        in_backward = torch._C._current_graph_task_id() != -1
+        if not in_backward and self._passes and self._passes[-1].kind is PassKind.BACKWARD:
+            self._abandon_backward()
+        return bool(self._passes) or in_backward
+
+    def _abandon_backward(self) -> None:
+        """Drop a backward pass whose backward raised: autograd then skips the end-of-backward
+        callback, and a pass left open would make every later op (the optimizer's too) a use."""
+        self._pending_reduce = None
+        self._end_pass(failed=True)
 
     def _begin_pass(self, kind: PassKind) -> PassState:
         if self.param_dtype is not None or self.fp8:
@@ -229,7 +279,8 @@ class GTPEngine:
             )
         self._chains[state.kind] = tuple(state.recorded)
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> Any:
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
+        self.intercepting()  # closes a backward pass abandoned by an exception
         grad = torch.is_grad_enabled()
         state = self._begin_pass(PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD)
         if grad:
@@ -240,11 +291,13 @@ class GTPEngine:
             return tree_map_only(
                 torch.Tensor,
                 lambda t: t.to(self.param_dtype) if t.is_floating_point() else t,
-                args,
+                (args, kwargs),
             )
         return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._passes:  # an earlier pre-hook raised before ours opened the pass
+            return
         state = self._passes[-1]
         if state.exit_hooks is not None:
             state.exit_hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
@@ -262,7 +315,7 @@ class GTPEngine:
             if self._pending_reduce is not None:
                 self._finalize(self._pending_reduce)
                 self._pending_reduce = None
-            if self.sync_replicated:
+            if self.sync_replicated and self.mesh.world_size > 1:
                 self.replicated.finish()
         self._end_pass()
         self.step += 1

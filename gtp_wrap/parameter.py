@@ -21,18 +21,26 @@ if TYPE_CHECKING:
     from .engine import GTPEngine
     from .storage import ShardLayout
 
-# Shape queries answer with the logical full shape during a pass, without a gather.
-_SHAPE_FUNCS = frozenset(
+# Metadata queries answer for the weight a use sees (logical full shape, compute dtype) during a
+# pass, without a gather.
+_META_FUNCS = frozenset(
     {
         torch.Tensor.size,
         torch.Tensor.dim,
         torch.Tensor.ndimension,
         torch.Tensor.numel,
         torch.Tensor.nelement,
+        torch.Tensor.stride,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.element_size,
+        torch.Tensor.is_floating_point,
         torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
         torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
     }
 )
+# Attribute getters that return a tensor computed from the weight: they are uses.
+_TENSOR_GETTERS = frozenset(getattr(torch.Tensor, name).__get__ for name in ("T", "mT", "H", "mH"))
 _ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
 
 
@@ -49,7 +57,7 @@ class GTPParameter(nn.Parameter):
     _gtp_engine: GTPEngine
     _gtp_cast: torch.Tensor  # replicated only: its copy in the compute dtype
     _gtp_cast_version: int
-    _gtp_meta: torch.Tensor  # the logical full shape, on the meta device
+    _gtp_meta: torch.Tensor  # the weight a use sees (shape, compute dtype) on the meta device
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -61,10 +69,10 @@ class GTPParameter(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             if engine is None or not engine.intercepting():
                 return func(*args, **kwargs)
-            if func in _SHAPE_FUNCS:
+            if func in _META_FUNCS:
                 args, kwargs = tree_map_only(GTPParameter, _meta, (args, kwargs))
                 return func(*args, **kwargs)
-            if getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
+            if func not in _TENSOR_GETTERS and getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
                 return func(*args, **kwargs)
             return engine.call_with_full_weights(func, args, kwargs)
 
@@ -99,12 +107,16 @@ if isinstance(_optim_types, list) and GTPParameter not in _optim_types:
 
 
 def make_gtp_parameter(
-    data: torch.Tensor, requires_grad: bool, layout: ShardLayout | None, engine: GTPEngine
+    data: torch.Tensor,
+    requires_grad: bool,
+    layout: ShardLayout | None,
+    engine: GTPEngine,
+    compute_dtype: torch.dtype | None,
 ) -> GTPParameter:
     """`data` (a view into the flat storage, or a replicated tensor) as an engine parameter."""
     p = GTPParameter(data, requires_grad=requires_grad)
     p._gtp_layout = layout
     p._gtp_engine = engine
     shape = layout.shape if layout is not None else data.shape
-    p._gtp_meta = torch.empty(shape, dtype=data.dtype, device="meta")
+    p._gtp_meta = torch.empty(shape, dtype=compute_dtype or data.dtype, device="meta")
     return p

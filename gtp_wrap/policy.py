@@ -68,13 +68,17 @@ class LayerRule:
         return any(c in _GLOB_CHARS for c in self.match)
 
     def resolve_class(self) -> type | None:
-        """The class a dotted path names, or None when `match` is not an importable class."""
-        if "." not in self.match or self.is_fqn_glob:
-            return None
+        """The class a dotted path names, or None when `match` is not an importable class.
+
+        Only a path whose last part is capitalized, like a class name, is imported, so an FQN
+        such as "layers.0.weight" never triggers an import.
+        """
         module_name, _, attr = self.match.rpartition(".")
+        if not module_name or self.is_fqn_glob or not attr[:1].isupper():
+            return None
         try:
             obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError):
+        except Exception:  # noqa: BLE001 - not an importable class: treat `match` as an FQN
             return None
         return obj if isinstance(obj, type) else None
 
@@ -118,6 +122,15 @@ class GTPPolicy:
     gather_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        for name, kind in (
+            ("min_shard_numel", int),
+            ("prefetch_depth", int),
+            ("pad_for_alignment", bool),
+            ("collective_timeout_s", (int, float)),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise PolicyError(f"GTPPolicy.{name} must be {kind}, got {value!r}")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:

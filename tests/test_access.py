@@ -1,0 +1,79 @@
+"""Access patterns beyond a plain forward: tensor-valued attributes, submodules called on their
+own, metadata in the compute dtype, a backward that raises, ranks built with different seeds."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import run_ranks
+from torch import nn
+
+import gtp_wrap
+from gtp_wrap import GTPWrap
+from gtp_wrap.parameter import _OpenPasses
+
+
+class TransposeHead(nn.Module):
+    """Reads `.T` of a weight and casts its input with `x.to(weight.dtype)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(self.embed(idx)))
+        h = h.to(self.proj.weight.dtype)
+        return h @ self.embed.weight.T
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return TransposeHead()
+
+
+def _patterns(rank: int, world: int) -> dict:
+    idx = torch.arange(6).view(2, 3)
+    ref = _model()
+    model = GTPWrap(_model(seed=rank), {"min_shard_numel": 0})  # seeds differ per rank
+    out = {"replicated_equal": torch.equal(model.proj.bias.detach(), ref.proj.bias.detach())}
+    out["forward"] = (model(idx) - ref(idx)).abs().max().item()  # every rank: it gathers
+    with torch.no_grad():  # a submodule on its own, outside the root's forward
+        out["submodule"] = model.embed(idx).shape == ref.embed(idx).shape
+    bf16 = GTPWrap(_model(), {"min_shard_numel": 0, "param_dtype": "bfloat16"})
+    out["bf16_out"] = str(bf16(idx).dtype)
+
+    # A backward that raises part-way must not leave the engine in a pass.
+    torch.manual_seed(0)
+    model, ref = GTPWrap(TransposeHead(), {"min_shard_numel": 0}), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    h = model(idx)
+    h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+    try:
+        h.sum().backward()
+    except RuntimeError as e:
+        out["raised"] = "boom" in str(e)
+    opt.zero_grad()
+    x = torch.arange(12).view(4, 3) % 16
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    F.cross_entropy(model(x[rows]).flatten(0, 1), x[rows].flatten()).backward()
+    opt.step()
+    out["open_passes"] = _OpenPasses.count
+    F.cross_entropy(ref(x).flatten(0, 1), x.flatten()).backward()
+    ref_opt.step()
+    full = gtp_wrap.full_state_dict(model)
+    out["after_error"] = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    dist.barrier()
+    return out
+
+
+def test_access_patterns_and_recovery() -> None:
+    for r in run_ranks(_patterns, 2):
+        assert r["replicated_equal"], "every rank must start from rank 0's parameters"
+        assert r["forward"] < 1e-6
+        assert r["submodule"]
+        assert r["bf16_out"] == "torch.bfloat16"
+        assert r["raised"] and r["open_passes"] == 0
+        assert r["after_error"] < 1e-6
