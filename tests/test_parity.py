@@ -63,6 +63,11 @@ CASES = {
     "no_sync": Case(TinyGPT, "tokens", micro_batches=2),
     "eval_between": Case(TinyGPT, "tokens", eval_between=True),
     "seq_change": Case(TinyGPT, "tokens", seq_lens=(8, 12, 5)),
+    "prefetch2_unaligned": Case(
+        functools.partial(TinyGPT, ckpt=True),
+        "tokens",
+        policy={"min_shard_numel": 0, "prefetch_depth": 2, "pad_for_alignment": False},
+    ),
     "sum_reduction": Case(
         TinyGPT, "tokens", policy={"min_shard_numel": 0, "loss_reduction": "sum"}
     ),

@@ -118,7 +118,7 @@ def test_fp8_gathers_move_about_one_byte_per_element() -> None:
     bf16_run = run_ranks(_steps, 2, BF16)
     elements = bf16_run[0]["stats"]["bytes_gathered"] / 2  # bf16: 2 bytes per element
     per_element = fp8_run[0]["stats"]["bytes_gathered"] / elements
-    assert 1.0 < per_element < 1.05, per_element
+    assert per_element > 1.0 and per_element < 1.05, per_element  # 1 + 4/128
     assert fp8_run[0]["stats"]["weight_casts"] == 2  # quantized once per step
     torch.testing.assert_close(fp8_run[0]["losses"], bf16_run[0]["losses"], rtol=2e-2, atol=0)
 
