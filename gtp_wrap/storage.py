@@ -119,6 +119,9 @@ class FlatStorage:
         self.compute: dict[torch.dtype, torch.Tensor] = {}
         self._cast_version: dict[torch.dtype, int] = {}
         self.casts = 0
+        # FP8 gathers (enable_fp8): packed slots, and per dtype the views a quantization fills.
+        self.packed_slots: list[torch.Tensor] = []
+        self._fp8_targets: dict[torch.dtype, tuple[list, list, list]] = {}
         for dtype in dict.fromkeys(lay.dtype for lay in layouts):
             same = [lay for lay in layouts if lay.dtype == dtype]
             numel = max(lay.offset + fp8.padded(lay.slot_numel) for lay in same)
@@ -133,9 +136,7 @@ class FlatStorage:
 
     def enable_fp8(self, layouts: list[ShardLayout]) -> None:
         """Add packed FP8 slots (payload, then block scales) that gathers send instead."""
-        self.packed: dict[torch.dtype, torch.Tensor] = {}
-        self.packed_slots: list[torch.Tensor] = []
-        self._fp8_targets: dict[torch.dtype, tuple[list, list, list, list]] = {}
+        packed: dict[torch.dtype, torch.Tensor] = {}
         ends: dict[torch.dtype, int] = {}
         spans = []
         for lay in layouts:
@@ -143,23 +144,23 @@ class FlatStorage:
             ends[lay.dtype] = start + fp8.packed_bytes(lay.slot_numel)
             spans.append(start)
         for dtype, n in ends.items():
-            self.packed[dtype] = torch.zeros(n, dtype=torch.uint8, device=self.params[dtype].device)
-            self._fp8_targets[dtype] = ([], [], [], [])
+            packed[dtype] = torch.zeros(n, dtype=torch.uint8, device=self.params[dtype].device)
+            self._fp8_targets[dtype] = ([], [], [])
         for lay, start in zip(layouts, spans):
             q = fp8.padded(lay.slot_numel)
-            packed = self.packed[lay.dtype][start : start + fp8.packed_bytes(lay.slot_numel)]
-            self.packed_slots.append(packed)
+            slot = packed[lay.dtype][start : start + fp8.packed_bytes(lay.slot_numel)]
+            self.packed_slots.append(slot)
             first, nblocks = lay.offset // fp8.BLOCK, q // fp8.BLOCK
-            payloads, scales, block_ranges, _ = self._fp8_targets[lay.dtype]
-            payloads.append(packed[:q])
-            scales.append(packed[q:].view(torch.float32))
+            payloads, scales, block_ranges = self._fp8_targets[lay.dtype]
+            payloads.append(slot[:q])
+            scales.append(slot[q:].view(torch.float32))
             block_ranges.append((first, first + nblocks))
 
     def refresh_compute(self) -> None:
         """Re-cast (or re-quantize) the compute copies whose shards changed since the last time."""
         for dtype, flat in self.params.items():
             compute = self.compute[dtype]
-            fp8_targets = getattr(self, "_fp8_targets", {}).get(dtype)
+            fp8_targets = self._fp8_targets.get(dtype)
             if self._cast_version.get(dtype) == flat._version:
                 continue
             if compute is flat and fp8_targets is None:
@@ -169,7 +170,7 @@ class FlatStorage:
                     compute.copy_(flat)
                 if fp8_targets is not None:
                     payload, scale = fp8.quantize(flat.view(-1, fp8.BLOCK))
-                    payloads, scales, ranges, _ = fp8_targets
+                    payloads, scales, ranges = fp8_targets
                     torch._foreach_copy_(
                         payloads + scales,
                         [payload[a:b].reshape(-1) for a, b in ranges]
