@@ -28,7 +28,7 @@ import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.app.model import GPT
 from gtp_wrap.engine import GTPEngine
-from gtp_wrap.parameter import _ATTRIBUTE_ACCESS, _META_FUNCS, _TENSOR_GETTERS, GTPParameter
+from gtp_wrap.parameter import GTPParameter, is_use
 
 
 class HookTimer:
@@ -41,9 +41,7 @@ class HookTimer:
         orig_tf = GTPParameter.__torch_function__.__func__  # type: ignore[attr-defined]
 
         def torch_function(cls, func, types, args=(), kwargs=None):
-            if not timer.enabled or func in _META_FUNCS:
-                return orig_tf(cls, func, types, args, kwargs)
-            if func not in _TENSOR_GETTERS and getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
+            if not timer.enabled or not is_use(func):
                 return orig_tf(cls, func, types, args, kwargs)
             inner = [0.0]
 

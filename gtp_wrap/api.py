@@ -101,7 +101,7 @@ def stats(module: nn.Module) -> dict[str, Any]:
         "bytes_reduced": s.bytes_reduced,
         "reduce_scatters": s.reduce_scatters,
         "peak_gathered_bytes": s.peak_gathered_bytes,
-        "weight_casts": engine_of(module).storage.casts,
+        "weight_casts": s.weight_casts,
     }
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .api import engine_of
+
+_WHAT = "grad-norm all-reduce"
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -37,11 +40,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         )
         local, rest = local.to(device, torch.float32), rest.to(device, torch.float32)
         if norm_type == float("inf"):
-            engine.comm.wait(engine.comm.all_reduce_max_gtp(local, "grad-norm all-reduce"))
+            engine.comm.wait(engine.comm.all_reduce(local, "gtp", _WHAT, dist.ReduceOp.MAX))
             total = torch.maximum(local, rest)
         else:
             powered = local.pow(norm_type)
-            engine.comm.wait(engine.comm.all_reduce_gtp(powered, "grad-norm all-reduce"))
+            engine.comm.wait(engine.comm.all_reduce(powered, "gtp", _WHAT, dist.ReduceOp.SUM))
             total = (powered + rest.pow(norm_type)).pow(1.0 / norm_type)
         torch.nn.utils.clip_grads_with_norm_(sharded + replicated, max_norm, total)
     return total

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import zlib
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,14 @@ class Comm:
         self._tag = tag
         self._exchanges = 0
         self._timed_wait = mesh.gtp_group is not None and dist.get_backend() == "gloo"
+        self._axes = {
+            "dp": (mesh.dp_group, mesh.dp_size),
+            "gtp": (mesh.gtp_group, mesh.gtp_size),
+            "world": (None, mesh.world_size),  # None: the default group
+        }
+        # Error messages name the step; descriptions are made once per weight at wrap time
+        # with a `{step}` field that is filled in only when something goes wrong.
+        self.step: Callable[[], int] = lambda: 0
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str) -> Pending:
         if self.mesh.gtp_size == 1:
@@ -63,30 +73,17 @@ class Comm:
             return Pending(None, what)
         return Pending(self.mesh.gtp_group._reduce_scatter_base(out, full, self._rs_opts), what)
 
-    def all_reduce_dp(self, t: torch.Tensor, what: str) -> Pending:
-        if self.mesh.dp_size == 1:
+    def all_reduce(
+        self, t: torch.Tensor, axis: Literal["dp", "gtp", "world"], what: str, op: Any = None
+    ) -> Pending:
+        """Reduce `t` over one mesh axis; by default with the gradient reduction (mean or sum)."""
+        group, size = self._axes[axis]
+        if size == 1:
             return Pending(None, what)
-        work = dist.all_reduce(t, op=self.grad_op, group=self.mesh.dp_group, async_op=True)
+        work = dist.all_reduce(t, op=self.grad_op if op is None else op, group=group, async_op=True)
         return Pending(work, what)
 
-    def all_reduce_gtp(self, t: torch.Tensor, what: str) -> Pending:
-        """A sum over the GTP group (for norms of disjoint shards)."""
-        if self.mesh.gtp_size == 1:
-            return Pending(None, what)
-        return Pending(dist.all_reduce(t, group=self.mesh.gtp_group, async_op=True), what)
-
-    def all_reduce_max_gtp(self, t: torch.Tensor, what: str) -> Pending:
-        if self.mesh.gtp_size == 1:
-            return Pending(None, what)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.gtp_group, async_op=True)
-        return Pending(work, what)
-
-    def all_reduce_world(self, t: torch.Tensor, what: str) -> Pending:
-        if self.mesh.world_size == 1:
-            return Pending(None, what)
-        return Pending(dist.all_reduce(t, op=self.grad_op, async_op=True), what)
-
-    def broadcast_world(self, t: torch.Tensor, what: str) -> Pending:
+    def broadcast(self, t: torch.Tensor, what: str) -> Pending:
         """Rank 0's `t` on every rank."""
         if self.mesh.world_size == 1:
             return Pending(None, what)
@@ -102,8 +99,9 @@ class Comm:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
+            what = pending.what.format(step=self.step())
             raise CollectiveTimeoutError(
-                f"{pending.what} did not complete within {self.timeout.total_seconds():g}s: a "
+                f"{what} did not complete within {self.timeout.total_seconds():g}s: a "
                 "peer rank is missing, crashed or used its weights in another order "
                 f"(raise GTPPolicy.collective_timeout_s if the peers are just slow). Cause: {e}"
             ) from e

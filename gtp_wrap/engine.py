@@ -45,6 +45,7 @@ class Stats:
     bytes_reduced: int = 0
     reduce_scatters: int = 0
     peak_gathered_bytes: int = 0  # memory held by gather buffers (high-water mark)
+    weight_casts: int = 0  # re-casts / re-quantizations of the shards (once per step)
     blocking_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -89,6 +90,7 @@ class GTPEngine:
         )
         self.stats = Stats()
         self.step = 0
+        self.comm.step = lambda: self.step
         self.sync_replicated = True
         self._passes: list[PassState] = []
         self._chains: dict[PassKind, tuple[int, ...]] = {}
@@ -131,6 +133,18 @@ class GTPEngine:
         ]
         self._grad_slots = [lay.slot(self.storage.grads[lay.dtype]) for lay in self.layouts]
         self._grad_views = [lay.local_view(self.storage.grads[lay.dtype]) for lay in self.layouts]
+        # Error descriptions, made here rather than per use; Comm fills in the step.
+        self._gather_what = {
+            kind: [
+                f"all-gather of '{lay.fqn}' ({kind.value} pass, step {{step}})"
+                for lay in self.layouts
+            ]
+            for kind in PassKind
+        }
+        self._reduce_what = [
+            f"reduce-scatter of the gradient of '{lay.fqn}' (step {{step}})" for lay in self.layouts
+        ]
+        self._dp_what = [f"dp all-reduce of the gradient of '{lay.fqn}'" for lay in self.layouts]
         replicated = [p.param for p in plans if p.shard_dim is None]
         if self.param_dtype is not None:
             replicated = [self._manage_replicated(plan) for plan in plans if plan.shard_dim is None]
@@ -203,7 +217,7 @@ class GTPEngine:
         with torch.no_grad():
             for plan in plans:
                 what = f"broadcast of '{plan.fqns[0]}' from rank 0"
-                self.comm.wait(self.comm.broadcast_world(plan.param.data, what))
+                self.comm.wait(self.comm.broadcast(plan.param.data, what))
 
     def _manage_replicated(self, plan: ParameterPlan) -> nn.Parameter:
         """With a compute dtype, a replicated floating-point parameter is used through a copy in
@@ -220,7 +234,7 @@ class GTPEngine:
         return param
 
     def _refresh_casts(self) -> None:
-        self.storage.refresh_compute()
+        self.stats.weight_casts += self.storage.refresh_compute()
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             for p in self.cast_params:
                 if p._gtp_cast_version != p._version:
@@ -232,15 +246,17 @@ class GTPEngine:
     def intercepting(self) -> bool:
         """Whether uses of sharded parameters see full weights now (inside a pass)."""
         in_backward = torch._C._current_graph_task_id() != -1
-        if not in_backward and self._passes and self._passes[-1].kind is PassKind.BACKWARD:
-            self._abandon_backward()
+        if not in_backward:
+            self._close_abandoned_backward()
         return bool(self._passes) or in_backward
 
-    def _abandon_backward(self) -> None:
-        """Drop a backward pass whose backward raised: autograd then skips the end-of-backward
-        callback, and a pass left open would make every later op (the optimizer's too) a use."""
-        self._pending_reduce = None
-        self._end_pass(failed=True)
+    def _close_abandoned_backward(self) -> None:
+        """Drop a backward pass still open outside backward: its backward raised, so autograd
+        skipped the end-of-backward callback, and a pass left open would make every later op
+        (the optimizer's too) a use."""
+        if self._passes and self._passes[-1].kind is PassKind.BACKWARD:
+            self._pending_reduce = None
+            self._end_pass(failed=True)
 
     def _begin_pass(self, kind: PassKind) -> PassState:
         if self.param_dtype is not None or self.fp8:
@@ -280,7 +296,7 @@ class GTPEngine:
         self._chains[state.kind] = tuple(state.recorded)
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        self.intercepting()  # closes a backward pass abandoned by an exception
+        self._close_abandoned_backward()
         grad = torch.is_grad_enabled()
         state = self._begin_pass(PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD)
         if grad:
@@ -368,7 +384,7 @@ class GTPEngine:
         return self._complete(gather, state, blocking)
 
     def _issue(self, lay: ShardLayout, state: PassState, position: int | None) -> Gather:
-        what = f"all-gather of '{lay.fqn}' ({state.kind.value} pass, step {self.step})"
+        what = self._gather_what[state.kind][lay.index]
         if self.fp8:  # the packed FP8 slots; dequantized when the gather is consumed
             send = self.storage.packed_slots[lay.index]
             buf = self.pool.reserve(lay.world * send.numel(), torch.uint8)
@@ -449,7 +465,7 @@ class GTPEngine:
             )
             out = self._grad_slots[lay.index] if direct else self._take_staging(lay, dtype)
             full = lay.padded_rows_view(grad.to(dtype))
-            what = f"reduce-scatter of the gradient of '{lay.fqn}' (step {self.step})"
+            what = self._reduce_what[lay.index]
             self._pending_reduce = PendingReduce(
                 lay, out, direct, self.comm.reduce_scatter(out, full, what)
             )
@@ -468,7 +484,7 @@ class GTPEngine:
         """Complete a reduce-scatter, reduce over dp, and land it in the shard's grad."""
         lay = pr.layout
         self.comm.wait(pr.pending)
-        self.comm.wait(self.comm.all_reduce_dp(pr.out, f"dp all-reduce of '{lay.fqn}' grad"))
+        self.comm.wait(self.comm.all_reduce(pr.out, "dp", self._dp_what[lay.index]))
         param = self.params[lay.index]
         if pr.direct:
             param.grad = self._grad_views[lay.index]
@@ -493,7 +509,6 @@ class GTPEngine:
 
     def reset_stats(self) -> None:
         self.stats = Stats(peak_gathered_bytes=self.pool.total_bytes)
-        self.storage.casts = 0
 
 
 class _CastGrad(torch.autograd.Function):

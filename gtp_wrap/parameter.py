@@ -72,9 +72,17 @@ class GTPParameter(nn.Parameter):
             if func in _META_FUNCS:
                 args, kwargs = tree_map_only(GTPParameter, _meta, (args, kwargs))
                 return func(*args, **kwargs)
-            if func not in _TENSOR_GETTERS and getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
+            if not is_use(func):
                 return func(*args, **kwargs)
             return engine.call_with_full_weights(func, args, kwargs)
+
+
+def is_use(func) -> bool:
+    """Whether `func`, called during a pass, reads the weight's values (and so needs it
+    gathered): not a metadata query, not a plain attribute access."""
+    if func in _META_FUNCS:
+        return False
+    return func in _TENSOR_GETTERS or getattr(func, "__name__", "") not in _ATTRIBUTE_ACCESS
 
 
 def _meta(p: GTPParameter) -> torch.Tensor:

@@ -84,8 +84,10 @@ class ReplicatedGrads:
                 view.copy_(p.grad.reshape(-1))
                 bucket.flags[i] = 1
             offset += n
-        bucket.pending = self.comm.all_reduce_world(
-            bucket.flat, f"all-reduce of replicated grads ({len(bucket.params)} parameters)"
+        bucket.pending = self.comm.all_reduce(
+            bucket.flat,
+            "world",
+            f"all-reduce of replicated grads ({len(bucket.params)} parameters)",
         )
 
     def finish(self) -> None:

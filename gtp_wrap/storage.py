@@ -118,7 +118,6 @@ class FlatStorage:
         self.grads: dict[torch.dtype, torch.Tensor] = {}
         self.compute: dict[torch.dtype, torch.Tensor] = {}
         self._cast_version: dict[torch.dtype, int] = {}
-        self.casts = 0
         # FP8 gathers (enable_fp8): packed slots, and per dtype the views a quantization fills.
         self.packed_slots: list[torch.Tensor] = []
         self._fp8_targets: dict[torch.dtype, tuple[list, list, list]] = {}
@@ -156,8 +155,10 @@ class FlatStorage:
             scales.append(slot[q:].view(torch.float32))
             block_ranges.append((first, first + nblocks))
 
-    def refresh_compute(self) -> None:
-        """Re-cast (or re-quantize) the compute copies whose shards changed since the last time."""
+    def refresh_compute(self) -> int:
+        """Re-cast (or re-quantize) the compute copies whose shards changed since the last time;
+        return how many flat tensors were refreshed."""
+        casts = 0
         for dtype, flat in self.params.items():
             compute = self.compute[dtype]
             fp8_targets = self._fp8_targets.get(dtype)
@@ -177,7 +178,8 @@ class FlatStorage:
                         + [scale[a:b] for a, b in ranges],
                     )
             self._cast_version[dtype] = flat._version
-            self.casts += 1
+            casts += 1
+        return casts
 
     @staticmethod
     def assign_offsets(
