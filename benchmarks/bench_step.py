@@ -10,7 +10,9 @@ length and seed, with AdamW:
 - ddp: fp32 parameters, bf16 autocast, DistributedDataParallel;
 - fsdp2: fully_shard on every block and the root, bf16 param_dtype, fp32 reduce_dtype;
 - gtp: GTPWrap with the default policy, bf16 gathers (param_dtype), fp32 reductions;
-- gtp_fp8: the same with FP8 gathers (gather_dtype: fp8).
+- gtp_fp8: the same with FP8 gathers (gather_dtype: fp8);
+- gtp_graph: gtp with the whole step (forward, backward, AdamW(capturable=True)) captured in a
+  CUDA graph by gtp_wrap.graph_step after the warm-up steps.
 Each reports the median step time over the timed steps after warm-up, tokens/s per GPU, MFU
 and peak memory; the table adds GTP/floor and GTP/FSDP2. Results go to JSON and a PNG chart.
 """
@@ -46,7 +48,7 @@ MODELS = {
     "smoke": GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=172, max_seq=64),
 }  # fmt: skip
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
-METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8")
+METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_graph")
 
 
 def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -80,7 +82,8 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int):
     if cfg.d < 512:
         policy["min_shard_numel"] = 0
     GTPWrap(model, policy)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None
+    capturable = method == "gtp_graph"
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=capturable), None
 
 
 def _sync(device: torch.device) -> None:
@@ -102,15 +105,20 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
     g = torch.Generator().manual_seed(dist.get_rank())
     idx = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(device)
     x, y = idx[:, :-1], idx[:, 1:]
-    times = []
-    for i in range(warmup + steps):
-        _sync(device)
-        began = time.perf_counter()
+
+    def step(x: torch.Tensor, y: torch.Tensor, model=model, optim=optim) -> None:
         ctx = torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext()
         with ctx:
             logits = model(x)
         F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
         optim.step()
+
+    run = gtp_wrap.graph_step(model, step, warmup=warmup) if method == "gtp_graph" else step
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        began = time.perf_counter()
+        run(x, y)
         if method != "floor":
             optim.zero_grad(set_to_none=True)
         else:
@@ -135,7 +143,7 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
     if method.startswith("gtp"):
         s = gtp_wrap.stats(model)
         out["blocking_by_pass"] = s["blocking_by_pass"]
-    del model, optim
+    del run, step, model, optim  # a graphed step must go before its model (and NCCL)
     return out
 
 

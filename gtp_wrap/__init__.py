@@ -2,7 +2,15 @@
 
 from .api import GTPWrap, no_sync, reset_stats, stats
 from .clip import clip_grad_norm_
-from .errors import ChainMismatchError, CollectiveTimeoutError, GTPError, PolicyError, WrapError
+from .errors import (
+    ChainMismatchError,
+    CollectiveTimeoutError,
+    GraphCaptureError,
+    GTPError,
+    PolicyError,
+    WrapError,
+)
+from .graphs import graph_region, graph_step, release_graphs
 from .policy import GTPPolicy, LayerRule
 from .state_dict import full_state_dict, load_full_state_dict
 
@@ -10,6 +18,7 @@ __all__ = [
     "ChainMismatchError",
     "CollectiveTimeoutError",
     "GTPError",
+    "GraphCaptureError",
     "GTPPolicy",
     "GTPWrap",
     "LayerRule",
@@ -17,8 +26,11 @@ __all__ = [
     "WrapError",
     "clip_grad_norm_",
     "full_state_dict",
+    "graph_region",
+    "graph_step",
     "load_full_state_dict",
     "no_sync",
+    "release_graphs",
     "reset_stats",
     "stats",
 ]

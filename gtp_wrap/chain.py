@@ -39,6 +39,7 @@ class PassState:
     """The progress of one pass along its chain."""
 
     kind: PassKind
+    scope: str | None  # None: the model's own pass; a name: a graphed region's
     chain: tuple[int, ...] | None
     cursor: int = 0
     diverged: bool = False

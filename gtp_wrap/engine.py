@@ -93,7 +93,11 @@ class GTPEngine:
         self.comm.step = lambda: self.step
         self.sync_replicated = True
         self._passes: list[PassState] = []
-        self._chains: dict[PassKind, tuple[int, ...]] = {}
+        # Chains per pass kind and scope: None for the model's own passes, a name for each
+        # CUDA-graphed region, whose passes run standalone at capture and never mix with ours.
+        self._chains: dict[tuple[PassKind, str | None], tuple[int, ...]] = {}
+        self._scope: str | None = None
+        self._pools: dict[str | None, GatherBufferPool] = {}
         self._pending_reduce: PendingReduce | None = None
         self._staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
@@ -123,7 +127,7 @@ class GTPEngine:
         )
         if self.fp8:
             self.storage.enable_fp8(self.layouts)
-        self.pool = GatherBufferPool(self.device)
+        self.pool = self._pools[None] = GatherBufferPool(self.device)
         self._sync_from_rank0(plans)
         self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]
         # Views used on every weight use, made once here rather than per use.
@@ -241,6 +245,13 @@ class GTPEngine:
                     p._gtp_cast.copy_(p)
                     p._gtp_cast_version = p._version
 
+    def invalidate_casts(self) -> None:
+        """Re-cast every compute copy at the next pass: the shards may have changed without
+        their version counters moving (a CUDA-graph replay of an optimizer step)."""
+        self.storage.invalidate_compute()
+        for p in self.cast_params:
+            p._gtp_cast_version = -1
+
     # ---- passes -------------------------------------------------------------------------
 
     def intercepting(self) -> bool:
@@ -261,7 +272,7 @@ class GTPEngine:
     def _begin_pass(self, kind: PassKind) -> PassState:
         if self.param_dtype is not None or self.fp8:
             self._refresh_casts()
-        state = PassState(kind, self._chains.get(kind))
+        state = PassState(kind, self._scope, self._chains.get((kind, self._scope)))
         self._passes.append(state)
         _OpenPasses.count += 1
         return state
@@ -281,7 +292,7 @@ class GTPEngine:
         self._drain(state)
         if state.followed_chain() or self.mesh.gtp_size == 1:
             return
-        everyone = self.comm.exchange(f"chain-{state.kind.value}", state.recorded)
+        everyone = self.comm.exchange(f"chain-{state.kind.value}-{state.scope}", state.recorded)
         diff = first_difference(everyone)
         if diff is not None:
             pos, entries = diff
@@ -293,7 +304,7 @@ class GTPEngine:
                 "collectively, so every rank must run the same weights in the same order "
                 "(make data-dependent branches agree across ranks)"
             )
-        self._chains[state.kind] = tuple(state.recorded)
+        self._chains[(state.kind, state.scope)] = tuple(state.recorded)
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
         self._close_abandoned_backward()
@@ -327,14 +338,36 @@ class GTPEngine:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
+        model_pass = self._passes[-1].scope is None
         with torch._C.DisableTorchFunctionSubclass():
             if self._pending_reduce is not None:
                 self._finalize(self._pending_reduce)
                 self._pending_reduce = None
-            if self.sync_replicated and self.mesh.world_size > 1:
+            if model_pass and self.sync_replicated and self.mesh.world_size > 1:
                 self.replicated.finish()
         self._end_pass()
-        self.step += 1
+        if model_pass:
+            self.step += 1
+
+    @contextlib.contextmanager
+    def scoped(self, name: str):
+        """Passes opened inside run in scope `name` (a graphed region): their own chains and
+        their own gather buffers, so a replay never writes a buffer an eager pass holds."""
+        self._scope, self.pool = name, self._pools.setdefault(name, GatherBufferPool(self.device))
+        try:
+            yield
+        finally:
+            self._scope, self.pool = None, self._pools[None]
+
+    def fence(self) -> None:
+        """Make the current stream wait for every collective in flight (their results stay for
+        their consumers), so a graph replayed next never runs beside them on the same
+        communicator."""
+        for state in self._passes:
+            for gather in state.inflight:
+                self.comm.wait(gather.pending)
+        if self._pending_reduce is not None:
+            self.comm.wait(self._pending_reduce.pending)
 
     # ---- forward gather along the chain -------------------------------------------------
 
@@ -393,7 +426,7 @@ class GTPEngine:
             buf = self.pool.reserve(lay.gathered_numel, send.dtype)
         buf.owner = lay
         pending = self.comm.all_gather(buf.tensor, send, what)
-        self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.pool.total_bytes)
+        self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.gather_bytes())
         self.stats.gathers += 1
         self.stats.bytes_gathered += buf.nbytes
         return Gather(lay, buf, pending, position)
@@ -507,8 +540,12 @@ class GTPEngine:
         finally:
             self.sync_replicated = True
 
+    def gather_bytes(self) -> int:
+        """Memory held by the gather buffers of the model and of its graphed regions."""
+        return sum(pool.total_bytes for pool in self._pools.values())
+
     def reset_stats(self) -> None:
-        self.stats = Stats(peak_gathered_bytes=self.pool.total_bytes)
+        self.stats = Stats(peak_gathered_bytes=self.gather_bytes())
 
 
 class _CastGrad(torch.autograd.Function):

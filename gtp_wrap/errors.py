@@ -21,3 +21,7 @@ class ChainMismatchError(GTPError, RuntimeError):
 
 class CollectiveTimeoutError(GTPError, RuntimeError):
     """A collective did not complete in time: a peer rank is missing, crashed or diverged."""
+
+
+class GraphCaptureError(GTPError, RuntimeError):
+    """A step or region cannot be captured in a CUDA graph (or replayed with these inputs)."""

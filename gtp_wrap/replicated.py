@@ -75,14 +75,16 @@ class ReplicatedGrads:
     def _launch(self, bucket: _Bucket) -> None:
         offset = 0
         bucket.locally_missing = any(p.grad is None for p in bucket.params)
+        # Flags are filled by kernels, not assigned from Python numbers: an assignment is a
+        # host-to-device copy, which a CUDA graph cannot capture.
+        bucket.flags.fill_(1)
         for i, (p, n) in enumerate(zip(bucket.params, bucket.sizes)):
             view = bucket.flat[offset : offset + n]
             if p.grad is None:
                 view.zero_()
-                bucket.flags[i] = 0
+                bucket.flags[i].fill_(0)
             else:
                 view.copy_(p.grad.reshape(-1))
-                bucket.flags[i] = 1
             offset += n
         bucket.pending = self.comm.all_reduce(
             bucket.flat,

@@ -181,6 +181,10 @@ class FlatStorage:
             casts += 1
         return casts
 
+    def invalidate_compute(self) -> None:
+        """Make the next `refresh_compute` re-cast everything (the shards changed unseen)."""
+        self._cast_version.clear()
+
     @staticmethod
     def assign_offsets(
         shapes: list[tuple[str, torch.Size, int, torch.dtype]],

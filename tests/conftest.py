@@ -9,6 +9,7 @@ killed and the test fails instead of hanging.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 import time
@@ -20,8 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gtp_wrap.graphs import release_graphs
 
-def _entry(rank: int, fn: Callable, world: int, store_dir: str, args: tuple, backend: str) -> None:
+
+def _entry(
+    rank: int, fn: Callable, world: int, store_dir: str, args: tuple, backend: str, timeout: float
+) -> None:
+    # A rank still running just before the deadline prints where every thread is stuck.
+    faulthandler.dump_traceback_later(max(timeout - 10, 1))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -32,6 +39,7 @@ def _entry(rank: int, fn: Callable, world: int, store_dir: str, args: tuple, bac
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(store_dir, f"result{rank}.pt"))
     finally:
+        release_graphs()  # a live CUDA graph keeps NCCL from shutting down
         dist.destroy_process_group()
 
 
@@ -41,7 +49,7 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as store_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world, store_dir, args, backend),
+            args=(fn, world, store_dir, args, backend, timeout),
             nprocs=world,
             join=False,
             start_method="spawn",

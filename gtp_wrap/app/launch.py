@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gtp_wrap.graphs import release_graphs
+
 
 class LaunchError(ValueError):
     """The requested ranks do not fit the machine."""
@@ -65,6 +67,7 @@ def run_rank(fn: Callable, args: tuple) -> Any:
     try:
         return fn(device, *args)
     finally:
+        release_graphs()  # a live CUDA graph keeps NCCL from shutting down
         dist.destroy_process_group()
 
 
