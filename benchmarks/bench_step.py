@@ -57,7 +57,7 @@ def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
         return GPT(cfg).to(dtype)
 
 
-def _build(method: str, cfg: GPTConfig, device: torch.device, world: int):
+def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict):
     """(model, optimizer, autocast dtype or None, extra optimizer for the floor)."""
     if method == "floor":
         model = _model(cfg, device, torch.bfloat16)
@@ -76,7 +76,7 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int):
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None
-    policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32", **overrides}
     if method == "gtp_fp8":
         policy["gather_dtype"] = "fp8"
     if cfg.d < 512:
@@ -92,14 +92,14 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, steps: int,
-            device: torch.device) -> dict:  # fmt: skip
+            device: torch.device, overrides: dict) -> dict:  # fmt: skip
     world = dist.get_world_size()
     gc.collect()  # engines and FSDP states hold reference cycles: free the previous method
     baseline = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         baseline = torch.cuda.memory_allocated(device)  # whatever earlier methods left behind
-    model, optim, autocast = _build(method, cfg, device, world)
+    model, optim, autocast = _build(method, cfg, device, world, overrides)
     if device.type == "cuda":  # training memory: every method builds the full model first
         torch.cuda.reset_peak_memory_stats(device)
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -153,7 +153,9 @@ def run(device: torch.device, args: argparse.Namespace) -> list[dict]:
         cfg = MODELS[model_name]
         for batch in batches:
             for method in args.methods:
-                r = measure(method, cfg, batch, args.seq, args.warmup, args.steps, device)
+                r = measure(
+                    method, cfg, batch, args.seq, args.warmup, args.steps, device, args.gtp_policy
+                )
                 r |= {"model": model_name, "batch": batch, "seq": args.seq}
                 rows.append(r)
                 if dist.get_rank() == 0:
@@ -220,7 +222,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plan", default="1.36B:1,4,8;125M:1,8",
                     help="model:batches;... (models: 1.36B, 125M, smoke)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--gtp-policy", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="GTPPolicy overrides of the gtp methods: prefetch_depth=2")  # fmt: skip
     args = ap.parse_args(argv)
+    args.gtp_policy = dict(_field(item) for item in args.gtp_policy)
     if args.smoke:
         args.seq, args.warmup, args.steps, args.plan, args.rounds = 32, 1, 2, "smoke:2", 1
     args.plan = [
@@ -228,6 +233,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         for name, batches in (item.split(":") for item in args.plan.split(";"))
     ]
     return args
+
+
+def _field(item: str) -> tuple[str, object]:
+    key, _, value = item.partition("=")
+    return key, int(value) if value.isdigit() else value
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,7 @@ from . import fp8
 from .buffers import GatherBufferPool
 from .chain import Gather, PassKind, PassState, first_difference
 from .comm import Comm, Pending, stable_hash
-from .errors import ChainMismatchError, PolicyError, WrapError
+from .errors import ChainMismatchError, GraphCaptureError, PolicyError, WrapError
 from .mesh import GTPMesh
 from .parameter import GTPParameter, _OpenPasses, make_gtp_parameter
 from .policy import GTPPolicy, ParameterPlan, policy_dtype
@@ -47,6 +47,16 @@ class Stats:
     peak_gathered_bytes: int = 0  # memory held by gather buffers (high-water mark)
     weight_casts: int = 0  # re-casts / re-quantizations of the shards (once per step)
     blocking_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Buffers:
+    """Where a kind of pass gathers weights and stages gradients (see `GTPEngine.__init__`)."""
+
+    pool: GatherBufferPool
+    staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +107,9 @@ class GTPEngine:
         # CUDA-graphed region, whose passes run standalone at capture and never mix with ours.
         self._chains: dict[tuple[PassKind, str | None], tuple[int, ...]] = {}
         self._scope: str | None = None
-        self._pools: dict[str | None, GatherBufferPool] = {}
+        # Weights gathered inside graphed regions, by layout index: the region's name.
+        self.region_weights: dict[int, str] = {}
         self._pending_reduce: PendingReduce | None = None
-        self._staging: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
         self._check_ranks_agree(plans)
         if policy.gather_dtype is not None:
@@ -127,7 +137,13 @@ class GTPEngine:
         )
         if self.fp8:
             self.storage.enable_fp8(self.layouts)
-        self.pool = self._pools[None] = GatherBufferPool(self.device)
+        # Note: graphed regions gather and reduce into buffers of their own. A graph keeps the
+        # addresses it was captured with, so handing one of its buffers to an eager pass (a
+        # staging buffer with a reduce-scatter still pending, say) would let a replay overwrite
+        # it. Replays never overlap each other, so all regions share one set.
+        self._eager = _Buffers(GatherBufferPool(self.device))
+        self._graphed = _Buffers(GatherBufferPool(self.device))
+        self.pool, self._staging = self._eager.pool, self._eager.staging
         self._sync_from_rank0(plans)
         self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]
         # Views used on every weight use, made once here rather than per use.
@@ -351,13 +367,18 @@ class GTPEngine:
 
     @contextlib.contextmanager
     def scoped(self, name: str):
-        """Passes opened inside run in scope `name` (a graphed region): their own chains and
-        their own gather buffers, so a replay never writes a buffer an eager pass holds."""
-        self._scope, self.pool = name, self._pools.setdefault(name, GatherBufferPool(self.device))
+        """Passes opened inside run in scope `name` (a graphed region being captured): their
+        own chains, and the graphed regions' buffers.
+
+        The autograd thread reads `_scope` too (the region's backward opens its pass there);
+        that is safe because the capturing thread waits inside `autograd.grad` meanwhile.
+        """
+        outer = (self._scope, self.pool, self._staging)
+        self._scope, self.pool, self._staging = name, self._graphed.pool, self._graphed.staging
         try:
             yield
         finally:
-            self._scope, self.pool = None, self._pools[None]
+            self._scope, self.pool, self._staging = outer
 
     def fence(self) -> None:
         """Make the current stream wait for every collective in flight (their results stay for
@@ -368,6 +389,9 @@ class GTPEngine:
                 self.comm.wait(gather.pending)
         if self._pending_reduce is not None:
             self.comm.wait(self._pending_reduce.pending)
+        for bucket in self.replicated.buckets:
+            if bucket.pending is not None:
+                self.comm.wait(bucket.pending)
 
     # ---- forward gather along the chain -------------------------------------------------
 
@@ -487,6 +511,12 @@ class GTPEngine:
     def reduce_grad(self, lay: ShardLayout, grad: torch.Tensor) -> None:
         """Reduce-scatter one use's full weight gradient; finalize the previous one."""
         self._ensure_backward()
+        if self.region_weights and self._scope is None and lay.index in self.region_weights:
+            raise GraphCaptureError(
+                f"'{lay.fqn}' is used inside graphed region {self.region_weights[lay.index]} and "
+                "also outside it, where its gradient would race the region's replay: graph a "
+                "module that holds every use of its weights, or leave it eager"
+            )
         with torch._C.DisableTorchFunctionSubclass():
             param = self.params[lay.index]
             prev = self._pending_reduce
@@ -542,7 +572,7 @@ class GTPEngine:
 
     def gather_bytes(self) -> int:
         """Memory held by the gather buffers of the model and of its graphed regions."""
-        return sum(pool.total_bytes for pool in self._pools.values())
+        return self._eager.pool.total_bytes + self._graphed.pool.total_bytes
 
     def reset_stats(self) -> None:
         self.stats = Stats(peak_gathered_bytes=self.gather_bytes())

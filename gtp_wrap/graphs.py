@@ -34,11 +34,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .api import engine_of
+from .chain import PassKind
 from .engine import GTPEngine
-from .errors import GraphCaptureError
+from .errors import GraphCaptureError, GTPError
 from .parameter import GTPParameter
 
 _live_graphs: weakref.WeakSet[torch.cuda.CUDAGraph] = weakref.WeakSet()
+# How torch and CUDA word a failure to capture (sync debug mode, capture-time checks).
+_CAPTURE_FAILURES = ("synchroniz", "captur", "not permitted", "pinned")
 _HOST_SYNC_HINT = (
     "a CUDA graph cannot contain host synchronizations (.item(), .tolist(), .cpu(), printing "
     "a CUDA tensor, nonzero / boolean-mask indexing and other data-dependent shapes) or "
@@ -81,9 +84,9 @@ def _refusing_host_syncs(what: str) -> Iterator[None]:
     try:
         with op:
             yield
-    except GraphCaptureError:
-        raise
-    except Exception as e:
+    except RuntimeError as e:
+        if isinstance(e, GTPError) or not any(m in str(e) for m in _CAPTURE_FAILURES):
+            raise  # not about capture: the user's own error, a chain mismatch, out of memory
         raise GraphCaptureError(
             f"{what} cannot be captured in a CUDA graph: it stopped at '{op.name}'. "
             f"{_HOST_SYNC_HINT}. Cause: {e}"
@@ -114,12 +117,13 @@ def _capture(
         error = e
         graph.reset()
     outcomes = engine.comm.exchange(f"capture-{what}", [int(error is None)])
-    if isinstance(error, GraphCaptureError):
+    if isinstance(error, GTPError):
         raise error
     if error is not None:
         raise GraphCaptureError(f"capturing {what} failed: {error}") from error
     failed = [r for r, (ok,) in enumerate(outcomes) if not ok]
     if failed:
+        graph.reset()
         raise GraphCaptureError(
             f"capturing {what} failed on rank(s) {failed} (see their error); no rank replays it"
         )
@@ -142,13 +146,33 @@ def release_graphs() -> None:
 
 
 def _describe(leaves: Sequence[Any]) -> list[Any]:
-    """What must stay the same between replays: tensor shapes, dtypes, devices; other values."""
+    """What must stay the same between replays: each tensor's shape, dtype, device and
+    requires_grad; other values themselves."""
     return [
-        (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in leaves
+        (tuple(x.shape), x.dtype, str(x.device), "requires_grad" if x.requires_grad else "")
+        if isinstance(x, torch.Tensor)
+        else x
+        for x in leaves
     ]
 
 
-_nothing = contextlib.nullcontext
+@contextlib.contextmanager
+def _side_stream(device: torch.device) -> Iterator[None]:
+    """Eager warm-up runs on a side stream, as CUDA-graph capture expects of the first runs."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+    current.wait_stream(side)
+
+
+def _check_live(graph: torch.cuda.CUDAGraph, what: str) -> None:
+    if graph not in _live_graphs:
+        raise GraphCaptureError(
+            f"{what} was released by gtp_wrap.release_graphs() and cannot be replayed; "
+            "make a new one"
+        )
 
 
 class _Replay:
@@ -210,10 +234,11 @@ class GraphedStep:
     (see `graph_step`)."""
 
     def __init__(self, model: nn.Module, fn: Callable[..., Any], warmup: int) -> None:
-        if warmup < 1:
+        if warmup < 2:
             raise GraphCaptureError(
-                f"warmup={warmup}: at least one eager step must run before capture, so the "
-                "chains are recorded and the gather buffers exist"
+                f"warmup={warmup}: at least two eager steps must run before capture: the "
+                "first records the chains, the second makes the gather buffers that "
+                "prefetching needs, so that nothing is allocated during capture"
             )
         self.engine = engine_of(model)
         _require_cuda(self.engine, "graph_step")
@@ -230,28 +255,23 @@ class GraphedStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        if self._replay is None and self.calls <= self.warmup:
-            return self._eager(args, kwargs)
-        replay = self._replay or self._capture(args, kwargs)
-        if replay is not self._replay:
-            self._replay = replay
+        if self._replay is None:
+            if self.calls <= self.warmup:
+                return self._eager(args, kwargs)
+            self._replay = self._capture(args, kwargs)  # the capture call's inputs are static
         else:
+            _check_live(self.graph, "this graphed step")
             self._load_inputs(args, kwargs)
         self.graph.replay()
-        replay.after_replay()
+        self._replay.after_replay()
         return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), self._static_out)
 
     def _eager(self, args: tuple, kwargs: dict) -> Any:
-        # Warm-up on a side stream, as CUDA-graph capture expects of the first iterations.
-        current = torch.cuda.current_stream(self.engine.device)
-        side = torch.cuda.Stream(self.engine.device)
-        side.wait_stream(current)
         # The last warm-up step refuses host synchronizations: see _refusing_host_syncs.
         checked = self.calls == self.warmup
-        with torch.cuda.stream(side), _refusing_host_syncs("the step") if checked else _nothing():
-            out = self.fn(*args, **kwargs)
-        current.wait_stream(side)
-        return out
+        refuse = _refusing_host_syncs("the step") if checked else contextlib.nullcontext()
+        with _side_stream(self.engine.device), refuse:
+            return self.fn(*args, **kwargs)
 
     def _capture(self, args: tuple, kwargs: dict) -> _Replay:
         engine = self.engine
@@ -259,10 +279,16 @@ class GraphedStep:
         leaves, self._spec = tree_flatten((args, kwargs))
         self._signature = _describe(leaves)
         self._static_in = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
-        # The captured backward must write fresh gradients (replays overwrite, never
-        # accumulate), and the once-per-step cast of the shards must be part of the graph.
-        for p in self.model.parameters():
-            p.grad = None
+        # The captured backward writes fresh gradients (replays overwrite, never accumulate),
+        # and the once-per-step cast of the shards must be part of the graph.
+        stale = [name for name, p in self.model.named_parameters() if p.grad is not None]
+        if stale:
+            raise GraphCaptureError(
+                f"'{stale[0]}' (and {len(stale) - 1} more) still has a gradient when the step "
+                "is captured; a replayed step overwrites gradients rather than adding to them. "
+                "Call zero_grad(set_to_none=True) between steps, and accumulate micro-batches "
+                "inside the step function"
+            )
         engine.invalidate_casts()
         replay = _Replay(engine, may_change_shards=True)
         static_args, static_kwargs = tree_unflatten(self._static_in, self._spec)
@@ -278,8 +304,9 @@ class GraphedStep:
         if spec != self._spec or signature != self._signature:
             raise GraphCaptureError(
                 f"the graphed step was captured for inputs {self._signature} but is called "
-                f"with {signature}: a CUDA graph replays fixed shapes. Pad inputs to the "
-                "captured shape, or make one graph_step per shape"
+                f"with {signature}: a CUDA graph replays fixed tensor shapes, dtypes and "
+                "non-tensor arguments. Keep them as captured (pad tensors to the captured "
+                "shape), or make one graph_step per variant"
             )
         for static, new in zip(self._static_in, leaves):
             if isinstance(static, torch.Tensor):
@@ -295,8 +322,9 @@ def graph_step(model: nn.Module, fn: Callable[..., Any], *, warmup: int = 3) -> 
             optionally the optimizer step (the optimizer built with `capturable=True`) and
             anything else with static shapes and no host synchronization. Its return value
             (tensors, possibly nested) is returned by every call.
-        warmup: how many calls run eagerly first (each a real step) before the next call is
-            captured; the chains and gather buffers settle in the first two.
+        warmup: how many calls run eagerly first (each a real step, at least 2: the chains
+            are recorded in the first and the gather buffers made in the second) before the
+            next call is captured. The last of them refuses host synchronizations.
 
     Returns a callable taking the same inputs as `fn`. From the capture on, each call copies
     the tensor inputs into the graph's static inputs (shapes, dtypes and non-tensor values
@@ -332,29 +360,48 @@ class _Region:
         self.wrt = [x for x in self.static_in if x.requires_grad] + self.params
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self._spec: Any = None
+        self._replayed_in: object | None = None  # the model pass of the last forward replay
         before = {p: p.grad for p in self.params}
         # Warm-up and capture must leave no trace: their gradients are dropped and the model's
         # replicated grads are not all-reduced for them.
-        with engine.scoped(name), engine.no_sync():
-            self._warm_up(warmup)
-            pool = torch.cuda.graph_pool_handle()
-            for p in self.params:
-                p.grad = None
-            fwd_replay = _Replay(engine, may_change_shards=False)
-            self.static_out = _capture(
-                engine, self.fwd, self._forward, f"region {name} forward", pool
-            )
-            self.fwd_replay = fwd_replay.captured({})
-            self.static_grad_out = [torch.zeros_like(o) for o in self.static_out]
-            bwd_replay = _Replay(engine, may_change_shards=False)
-            self.static_grad_in = _capture(
-                engine, self.bwd, self._backward, f"region {name} backward", pool
-            )
-            self.bwd_replay = bwd_replay.captured(
-                {p: p.grad for p in self.sharded if p.grad is not None}
-            )
-        for p, g in before.items():
-            p.grad = g
+        try:
+            with engine.scoped(name), engine.no_sync():
+                self._warm_up(warmup)
+                pool = torch.cuda.graph_pool_handle()
+                for p in self.params:
+                    p.grad = None
+                fwd_replay = _Replay(engine, may_change_shards=False)
+                self.static_out = _capture(
+                    engine, self.fwd, self._forward, f"region {name} forward", pool
+                )
+                self.fwd_replay = fwd_replay.captured({})
+                self.static_grad_out = [torch.zeros_like(o) for o in self.static_out]
+                bwd_replay = _Replay(engine, may_change_shards=False)
+                self.static_grad_in = _capture(
+                    engine, self.bwd, self._backward, f"region {name} backward", pool
+                )
+                self.bwd_replay = bwd_replay.captured(
+                    {p: p.grad for p in self.sharded if p.grad is not None}
+                )
+        finally:
+            for p, g in before.items():
+                p.grad = g
+        self._claim_weights()
+
+    def _claim_weights(self) -> None:
+        """Register the weights this region gathers: their gradients must come from its
+        replays alone (the engine refuses a reduce of one outside the region)."""
+        used = set(self.engine._chains.get((PassKind.FORWARD, self.name), ()))
+        used |= set(self.engine._chains.get((PassKind.BACKWARD, self.name), ()))
+        for index in sorted(used):
+            other = self.engine.region_weights.get(index)
+            if other is not None:
+                fqn = self.engine.layouts[index].fqn
+                raise GraphCaptureError(
+                    f"'{fqn}' is used by graphed regions {other} and {self.name}; each region's "
+                    "weights must be its own (graph a module that holds both uses)"
+                )
+        self.engine.region_weights.update(dict.fromkeys(used, self.name))
 
     def _forward(self) -> list[torch.Tensor]:
         """The region's forward as one pass of its scope; returns its outputs flattened."""
@@ -379,15 +426,13 @@ class _Region:
         )
 
     def _warm_up(self, steps: int) -> None:
-        current = torch.cuda.current_stream(self.engine.device)
-        side = torch.cuda.Stream(self.engine.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(steps):
-                out = self._forward()
-                torch.autograd.grad(out, self.wrt, [torch.zeros_like(o) for o in out],
-                                    allow_unused=True)  # fmt: skip
-        current.wait_stream(side)
+        with _side_stream(self.engine.device):
+            for i in range(steps):
+                last = i == steps - 1  # refuses host synchronizations: see graph_step
+                with _refusing_host_syncs(self.name) if last else contextlib.nullcontext():
+                    out = self._forward()
+                    grads = [torch.zeros_like(o) for o in out]
+                    torch.autograd.grad(out, self.wrt, grads, allow_unused=True)
 
     def __call__(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
@@ -398,11 +443,22 @@ class _Region:
             or self.module.training != self.training
         ):
             return original(*args, **kwargs)  # evals and standalone calls run eagerly
+        _check_live(self.fwd, f"graph_region {self.name}")
         if _describe(args) != self.signature:
             raise GraphCaptureError(
                 f"graph_region {self.name} was captured for inputs {self.signature} but is "
-                f"called with {_describe(args)}: pad inputs to the captured shape"
+                f"called with {_describe(args)}: pass tensors shaped, typed and flagged "
+                "(requires_grad) like the sample_args it was captured with"
             )
+        # A second replay in one forward would overwrite the activations the first one saved
+        # inside the graph for its backward.
+        if self._replayed_in is engine._passes[-1]:
+            raise GraphCaptureError(
+                f"graph_region {self.name} ({type(self.module).__name__}) was called twice in "
+                "one forward; a graphed region runs once per step. Graph it only if it is "
+                "called once, or leave it eager"
+            )
+        self._replayed_in = engine._passes[-1]
         with torch._C.DisableTorchFunctionSubclass():  # parameters as plain tensors here
             outs = _RegionReplay.apply(self, *args, *self.params)
         return tree_unflatten(list(outs), self._spec)
@@ -452,6 +508,10 @@ class _RegionReplay(torch.autograd.Function):
 _regions = itertools.count()
 
 
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
 def graph_region(
     model: nn.Module, module: nn.Module, sample_args: tuple, *, warmup: int = 3
 ) -> nn.Module:
@@ -479,6 +539,15 @@ def graph_region(
     _outside_passes(engine, "graph_region")
     if not all(isinstance(a, torch.Tensor) for a in sample_args):
         raise GraphCaptureError("graph_region: sample_args must be a tuple of tensors")
+    for other in model.modules():
+        graphed = isinstance(other.forward, functools.partial) and isinstance(
+            other.forward.func, _Region
+        )
+        if graphed and (other is module or _contains(other, module) or _contains(module, other)):
+            raise GraphCaptureError(
+                f"graph_region: {type(module).__name__} is, contains or lies inside a module "
+                "that is graphed already; graph each module once, without nesting"
+            )
     region = _Region(engine, module, tuple(sample_args), warmup, f"region{next(_regions)}")
     module.forward = functools.partial(region, module.forward)  # type: ignore[method-assign]
     return module

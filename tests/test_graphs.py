@@ -33,6 +33,8 @@ def test_refused_on_cpu() -> None:
         gtp_wrap.graph_step(model, lambda x: model(x).sum().backward())
     with pytest.raises(GraphCaptureError, match="needs a CUDA device"):
         gtp_wrap.graph_region(model, model.blocks[0], (torch.zeros(1, 4, CFG.d),))
+    with pytest.raises(GraphCaptureError, match="at least two eager steps"):
+        gtp_wrap.graph_step(model, lambda x: None, warmup=1)
 
 
 def _batch(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,15 +158,18 @@ class RoutedGPT(GPT):
         return self.head(self.norm(x))
 
 
-def _routed_run(rank: int, regions: bool) -> dict:
+def _regions_run(rank: int, build: Callable[[], GPT], first_graphed: int | None) -> dict:
+    """STEPS eager training steps, with the blocks from `first_graphed` on captured as graphed
+    regions (None: all eager)."""
     device = torch.device("cuda", rank)
     torch.manual_seed(0)
-    model = GTPWrap(RoutedGPT(CFG).to(device), POLICY)
+    model = GTPWrap(build().to(device), POLICY)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    if regions:
-        x = torch.zeros(2, 16, CFG.d, device=device, dtype=torch.bfloat16, requires_grad=True)
-        cos, sin = (c[:16].to(torch.bfloat16) for c in (model.cos, model.sin))
-        for block in model.blocks:
+    if first_graphed is not None:
+        dtype = torch.bfloat16  # the compute dtype: what the blocks receive
+        x = torch.zeros(2, 16, CFG.d, device=device, dtype=dtype, requires_grad=True)
+        cos, sin = (c[:16].to(dtype) for c in (model.cos, model.sin))
+        for block in model.blocks[first_graphed:]:
             gtp_wrap.graph_region(model, block, (x, cos, sin))
     losses = []
     for i in range(STEPS):
@@ -178,6 +183,11 @@ def _routed_run(rank: int, regions: bool) -> dict:
     return {"losses": losses, "state": full}
 
 
+def _bf16_gpt() -> GPT:
+    """bf16 parameters reduced in fp32: gradients go through staging buffers."""
+    return GPT(CFG).to(torch.bfloat16)
+
+
 def _partial(rank: int, world: int) -> dict:
     out: dict = {}
     try:
@@ -188,16 +198,15 @@ def _partial(rank: int, world: int) -> dict:
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
 
+        run = gtp_wrap.graph_step(model, step, warmup=2)
+        run(*_batch(rank, 0, device))
         try:  # the last warm-up step already refuses the data-dependent indexing
-            gtp_wrap.graph_step(model, step, warmup=1)(*_batch(rank, 0, device))
+            run(*_batch(rank, 1, device))
             out["whole_step"] = "no error"
         except GraphCaptureError as e:
             out["whole_step"] = str(e)
-        print(f"rank {rank}: whole step refused", flush=True)
-        out["eager"] = _routed_run(rank, regions=False)
-        print(f"rank {rank}: eager done", flush=True)
-        out["regions"] = _routed_run(rank, regions=True)
-        print(f"rank {rank}: regions done", flush=True)
+        out["routed"] = [_regions_run(rank, lambda: RoutedGPT(CFG), g) for g in (None, 0)]
+        out["bf16"] = [_regions_run(rank, _bf16_gpt, g) for g in (None, 1)]
     except Exception:
         out["error"] = traceback.format_exc()
     return out
@@ -208,6 +217,8 @@ def test_partial_capture_equals_eager() -> None:
     for rank, got in enumerate(run_ranks(_partial, 2, timeout=100, backend="nccl")):
         assert "error" not in got, f"rank {rank}:\n{got.get('error')}"
         assert "stopped at 'index" in got["whole_step"], got["whole_step"]
-        assert got["regions"]["losses"] == got["eager"]["losses"]
-        for k, v in got["eager"]["state"].items():
-            assert torch.equal(got["regions"]["state"][k], v), k
+        for model in ("routed", "bf16"):
+            eager, regions = got[model]
+            assert regions["losses"] == eager["losses"], model
+            for k, v in eager["state"].items():
+                assert torch.equal(regions["state"][k], v), (model, k)
