@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
@@ -46,6 +47,7 @@ class Stats:
     reduce_scatters: int = 0
     peak_gathered_bytes: int = 0  # memory held by gather buffers (high-water mark)
     weight_casts: int = 0  # re-casts / re-quantizations of the shards (once per step)
+    fp8_matmuls: int = 0  # uses that ran as FP8 GEMMs (fp8_matmul)
     blocking_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -119,6 +121,9 @@ class GTPEngine:
                 raise PolicyError(str(e)) from e
         # A GTP group of one gathers nothing, so it quantizes nothing either.
         self.fp8 = policy.gather_dtype is not None and mesh.gtp_size > 1
+        self.fp8_matmul = self.fp8 and policy.fp8_matmul
+        if self.fp8_matmul:
+            fp8.check_gemm_device(mesh_device)
         sharded = [p for p in plans if p.shard_dim is not None]
         self.device = mesh_device
         self.layouts = FlatStorage.assign_offsets(
@@ -136,7 +141,12 @@ class GTPEngine:
             self.layouts, self.device, None if self.fp8 else self.param_dtype
         )
         if self.fp8:
-            self.storage.enable_fp8(self.layouts)
+            # Elements per scale: a row for the weights the FP8 GEMM takes (see fp8.py).
+            self._fp8_blocks = [
+                lay.row_numel if self.fp8_matmul and fp8.fits_gemm(lay) else fp8.BLOCK
+                for lay in self.layouts
+            ]
+            self.storage.enable_fp8(self.layouts, self._fp8_blocks)
         # Note: graphed regions gather and reduce into buffers of their own. A graph keeps the
         # addresses it was captured with, so handing one of its buffers to an eager pass (a
         # staging buffer with a reduce-scatter still pending, say) would let a replay overwrite
@@ -399,18 +409,14 @@ class GTPEngine:
         """Run `func` with each sharded parameter among its args replaced by the full weight."""
         if not self._passes:
             self._ensure_backward()  # a checkpoint recompute: uses inside backward
+        gemm = self._fp8_gemm_layout(func, args) if self.fp8_matmul else None
+        if gemm is not None:
+            return self._fp8_linear(gemm, *args, **kwargs)
         full: dict[int, torch.Tensor] = {}
 
         def substitute(p: GTPParameter) -> torch.Tensor:
             if id(p) not in full:
-                grad = torch.is_grad_enabled() and p.requires_grad
-                if p._gtp_layout is None:  # replicated, used in the compute dtype
-                    w = _CastGrad.apply(p, p._gtp_cast) if grad else p._gtp_cast
-                else:
-                    w = self.gather(p._gtp_layout)
-                    if grad:
-                        w = _RouteGrad.apply(p, w, self, p._gtp_layout)
-                full[id(p)] = w
+                full[id(p)] = self._full_weight(p)
             return full[id(p)]
 
         if any(type(a) in _CONTAINERS for a in args) or kwargs:
@@ -419,8 +425,44 @@ class GTPEngine:
             args = tuple(substitute(a) if type(a) is GTPParameter else a for a in args)
         return func(*args, **kwargs)
 
-    def gather(self, lay: ShardLayout) -> torch.Tensor:
-        """The logical full weight of `lay`, gathered for one use of the current pass."""
+    def _full_weight(self, p: GTPParameter) -> torch.Tensor:
+        """The weight one use of `p` sees, wired so that its gradient reaches `p`."""
+        grad = torch.is_grad_enabled() and p.requires_grad
+        if p._gtp_layout is None:  # replicated, used in the compute dtype
+            return _CastGrad.apply(p, p._gtp_cast) if grad else p._gtp_cast
+        w = self.gather(p._gtp_layout)
+        return _RouteGrad.apply(p, w, self, p._gtp_layout) if grad else w
+
+    def _fp8_gemm_layout(self, func: Callable, args: tuple) -> ShardLayout | None:
+        """The layout of the weight if this use is an F.linear that can run as an FP8 GEMM."""
+        if func is not F.linear or len(args) < 2 or type(args[1]) is not GTPParameter:
+            return None
+        x, lay = args[0], args[1]._gtp_layout
+        if lay is None or self._fp8_blocks[lay.index] == fp8.BLOCK or type(x) is GTPParameter:
+            return None
+        compute_16bit = x.dtype in (torch.bfloat16, torch.float16)
+        return lay if compute_16bit and x.shape[-1] == lay.shape[1] else None
+
+    def _fp8_linear(
+        self,
+        lay: ShardLayout,
+        x: torch.Tensor,
+        weight: GTPParameter,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """F.linear with the gathered FP8 weight fed straight to the FP8 GEMM (fp8_matmul)."""
+        if type(bias) is GTPParameter:
+            bias = self._full_weight(bias)
+        w, scale = fp8.unpack_rows(self.gather(lay, packed=True), lay.world, lay.rows_per_rank,
+                                   lay.row_numel)  # fmt: skip
+        self.stats.fp8_matmuls += 1
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return fp8.FP8Linear.apply(x, weight, w, scale, self, lay, bias)
+        return fp8.linear_forward(x, w, scale, lay, bias)
+
+    def gather(self, lay: ShardLayout, packed: bool = False) -> torch.Tensor:
+        """The logical full weight of `lay`, gathered for one use of the current pass (with
+        `packed`, the gathered FP8 slots as they came, for the FP8 GEMM)."""
         if self.mesh.gtp_size == 1:
             return self._local_compute[lay.index]
         state = self._passes[-1]
@@ -438,7 +480,7 @@ class GTPEngine:
                 self._drain(state)
             gather, blocking = self._issue(lay, state, None), True
         state.recorded.append(lay.index)
-        return self._complete(gather, state, blocking)
+        return self._complete(gather, state, blocking, packed)
 
     def _issue(self, lay: ShardLayout, state: PassState, position: int | None) -> Gather:
         what = self._gather_what[state.kind][lay.index]
@@ -460,17 +502,20 @@ class GTPEngine:
             lay = self.layouts[state.chain[position]]  # type: ignore[index]
             state.inflight.append(self._issue(lay, state, position))
 
-    def _complete(self, gather: Gather, state: PassState, blocking: bool) -> torch.Tensor:
+    def _complete(
+        self, gather: Gather, state: PassState, blocking: bool, packed: bool = False
+    ) -> torch.Tensor:
         self.comm.wait(gather.pending)
         buf, lay = gather.buffer, gather.layout
-        if self.fp8:
+        if self.fp8 and not packed:
             out = self.pool.reserve(lay.gathered_numel, self.param_dtype or lay.dtype)
             out.owner = lay
-            fp8.dequantize_into(buf.tensor, lay.world, lay.slot_numel, out.tensor)
+            block = self._fp8_blocks[lay.index]
+            fp8.dequantize_into(buf.tensor, lay.world, lay.slot_numel, out.tensor, block)
             self.pool.hand_out(buf)
             buf = out
         self.pool.hand_out(buf)
-        full = lay.full_view(buf.tensor)
+        full = buf.tensor if packed else lay.full_view(buf.tensor)
         if blocking:
             self.stats.blocking_gathers += 1
             key = state.kind.value

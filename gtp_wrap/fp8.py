@@ -1,5 +1,6 @@
 """FP8 gathers: each shard quantized once per step to float8_e4m3fn with one scale per block of
 128 consecutive elements, gathered as one byte buffer per weight, dequantized for the GEMM.
+With `fp8_matmul`, one scale per row instead, and the forward GEMM runs in FP8 (scaled_linear).
 
 Note: block scales rather than one scale per row. A row of a 2048-wide weight spans 2048
 elements, so one outlier flattens the resolution of all of them; a 128-element block confines
@@ -7,11 +8,23 @@ it. The cost is one fp32 scale per 128 bytes: 1.031 bytes per element on the wir
 2 for bf16. Error bound per element, with s = amax(block) / 448 (e4m3's largest normal):
 |x - dq(q(x))| <= max(2**-4 * |x|, 2**-10 * s) — half a unit in the last place of a 3-bit
 mantissa, or half the smallest subnormal step (2**-9) for values near zero.
+
+Note: the FP8 GEMM (`torch._scaled_mm`) takes one scale per row of each operand, not block
+scales, so `fp8_matmul` quantizes each weight row (output channel) with one scale, and each
+activation row (token) on the fly. The same bound holds with s = amax(row) / 448: an outlier
+coarsens its whole row, which is the price of the faster GEMM.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from .errors import PolicyError
+
+if TYPE_CHECKING:
+    from .storage import ShardLayout
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -28,14 +41,14 @@ def fp8_dtype() -> torch.dtype:
     return dtype
 
 
-def padded(numel: int) -> int:
+def padded(numel: int, block: int = BLOCK) -> int:
     """`numel` rounded up to whole blocks."""
-    return -(-numel // BLOCK) * BLOCK
+    return -(-numel // block) * block
 
 
-def packed_bytes(numel: int) -> int:
+def packed_bytes(numel: int, block: int = BLOCK) -> int:
     """Bytes of one packed slot: the FP8 payload of the padded blocks, then their fp32 scales."""
-    return padded(numel) + 4 * (padded(numel) // BLOCK)
+    return padded(numel, block) + 4 * (padded(numel, block) // block)
 
 
 def quantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,14 +59,106 @@ def quantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return payload.view(torch.uint8), scale
 
 
-def dequantize_into(packed: torch.Tensor, ranks: int, numel: int, out: torch.Tensor) -> None:
+def dequantize_into(
+    packed: torch.Tensor, ranks: int, numel: int, out: torch.Tensor, block: int = BLOCK
+) -> None:
     """Write the dequantized slots of `ranks` gathered packed slots into `out` (ranks * numel)."""
-    q = padded(numel)
-    rows = packed.view(ranks, packed_bytes(numel))
-    payload = rows[:, :q].view(fp8_dtype()).view(ranks, q // BLOCK, BLOCK)
-    scales = rows[:, q:].view(torch.float32).view(ranks, q // BLOCK, 1)
+    q = padded(numel, block)
+    rows = packed.view(ranks, packed_bytes(numel, block))
+    payload = rows[:, :q].view(fp8_dtype()).view(ranks, q // block, block)
+    scales = rows[:, q:].view(torch.float32).view(ranks, q // block, 1)
     values = payload.to(out.dtype) * scales.to(out.dtype)
     if q == numel:
-        out.view(ranks, q // BLOCK, BLOCK).copy_(values)
+        out.view(ranks, q // block, block).copy_(values)
     else:
         out.view(ranks, numel).copy_(values.view(ranks, q)[:, :numel])
+
+
+def unpack_rows(
+    packed: torch.Tensor, ranks: int, rows: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered row-quantized weight as one (ranks * rows, width) FP8 matrix and its
+    (ranks * rows,) row scales: the payloads of the ranks' slots made contiguous (one copy of
+    one byte per element), as the FP8 GEMM needs."""
+    q = rows * width
+    slots = packed.view(ranks, packed_bytes(q, width))
+    payload = slots[:, :q].reshape(ranks * rows, width).view(fp8_dtype())
+    return payload, slots[:, q:].view(torch.float32).reshape(-1)
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (weight * scale[:, None]).T in x's dtype, as one FP8 GEMM: the rows of `x` (2-D)
+    quantized on the fly with one scale each, `weight` (FP8, row-major) with its row scales."""
+    xq, xs = quantize(x)
+    return torch._scaled_mm(
+        xq.view(fp8_dtype()),
+        weight.t(),
+        scale_a=xs[:, None],
+        scale_b=scale[None, :],
+        out_dtype=x.dtype,
+    )
+
+
+def fits_gemm(lay: ShardLayout) -> bool:
+    """Whether `lay` is a weight the FP8 GEMM can take: a 2-D weight sharded by output row,
+    with both dims multiples of 16 (torch._scaled_mm's requirement)."""
+    return (
+        lay.dim == 0
+        and len(lay.shape) == 2
+        and lay.row_numel % 16 == 0
+        and (lay.rows_per_rank * lay.world) % 16 == 0
+    )
+
+
+def check_gemm_device(device: torch.device) -> None:
+    """FP8 GEMMs run on CPUs and on GPUs with FP8 tensor cores (compute capability 8.9+)."""
+    if not hasattr(torch, "_scaled_mm"):
+        raise PolicyError(
+            f"fp8_matmul needs torch._scaled_mm, which torch {torch.__version__} lacks; set "
+            "fp8_matmul: false (FP8 gathers, dequantized to bf16 for the GEMMs)"
+        )
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise PolicyError(
+            f"fp8_matmul needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, "
+            f"Hopper or newer); {name} has none. Set fp8_matmul: false to keep FP8 gathers "
+            "with bf16 GEMMs"
+        )
+
+
+def linear_forward(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    lay: ShardLayout,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    rows = lay.shape[0]
+    out = scaled_linear(x.reshape(-1, x.shape[-1]), w, scale)[:, :rows]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], rows)
+
+
+class FP8Linear(torch.autograd.Function):
+    """F.linear whose forward is one FP8 GEMM; its backward re-gathers the weight (dequantized
+    to the compute dtype) for the input gradient and reduce-scatters the weight gradient, as a
+    bf16 use would."""
+
+    @staticmethod
+    def forward(ctx, x, param, w, scale, engine, layout, bias):  # type: ignore[override]
+        ctx.engine, ctx.layout, ctx.has_bias = engine, layout, bias is not None
+        ctx.save_for_backward(x)
+        return linear_forward(x, w, scale, layout, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        engine, lay = ctx.engine, ctx.layout
+        engine._ensure_backward()
+        weight = engine.gather(lay)
+        g = grad.reshape(-1, lay.shape[0])
+        dx = (g @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        engine.reduce_grad(lay, g.t() @ x.reshape(-1, x.shape[-1]))
+        dbias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[6] else None
+        return dx, None, None, None, None, None, dbias

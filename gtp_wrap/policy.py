@@ -106,6 +106,10 @@ class GTPPolicy:
         gather_dtype: "fp8" to gather float8_e4m3fn shards with a scale per 128-element block
             (quantized once per step, dequantized to param_dtype for the GEMM); None gathers in
             param_dtype.
+        fp8_matmul: with gather_dtype "fp8", run the forward GEMM of each Linear in FP8
+            (torch._scaled_mm, on GPUs with FP8 tensor cores and on CPUs): weights are then
+            quantized with one scale per row and fed to the GEMM without dequantization, and
+            activations are quantized per row on the fly. Backward stays in param_dtype.
     """
 
     rules: tuple[LayerRule, ...] = (
@@ -120,12 +124,14 @@ class GTPPolicy:
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     gather_dtype: str | None = None
+    fp8_matmul: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (
             ("min_shard_numel", int),
             ("prefetch_depth", int),
             ("pad_for_alignment", bool),
+            ("fp8_matmul", bool),
             ("collective_timeout_s", (int, float)),
         ):
             value = getattr(self, name)
@@ -138,6 +144,11 @@ class GTPPolicy:
         if self.gather_dtype not in (None, "fp8", "float8_e4m3fn"):
             raise PolicyError(
                 f"gather_dtype={self.gather_dtype!r} is not supported; use 'fp8' or null"
+            )
+        if self.fp8_matmul and self.gather_dtype is None:
+            raise PolicyError(
+                "fp8_matmul feeds the gathered FP8 weights to the GEMM, so it needs "
+                "gather_dtype: fp8 (and param_dtype: bfloat16 for the activations)"
             )
         rules = tuple(_coerce_rule(r) for r in self.rules)
         object.__setattr__(self, "rules", rules)

@@ -118,9 +118,12 @@ class FlatStorage:
         self.grads: dict[torch.dtype, torch.Tensor] = {}
         self.compute: dict[torch.dtype, torch.Tensor] = {}
         self._cast_version: dict[torch.dtype, int] = {}
-        # FP8 gathers (enable_fp8): packed slots, and per dtype the views a quantization fills.
+        # FP8 gathers (enable_fp8): packed slots, and per dtype the views a quantization fills:
+        # block-scaled slots from one quantization of the whole flat tensor, row-scaled slots
+        # each from its own rows.
         self.packed_slots: list[torch.Tensor] = []
         self._fp8_targets: dict[torch.dtype, tuple[list, list, list]] = {}
+        self._fp8_rows: dict[torch.dtype, list[tuple[torch.Tensor, ...]]] = {}
         for dtype in dict.fromkeys(lay.dtype for lay in layouts):
             same = [lay for lay in layouts if lay.dtype == dtype]
             numel = max(lay.offset + fp8.padded(lay.slot_numel) for lay in same)
@@ -133,26 +136,33 @@ class FlatStorage:
                 else torch.zeros(numel, dtype=cdtype, device=device)
             )
 
-    def enable_fp8(self, layouts: list[ShardLayout]) -> None:
-        """Add packed FP8 slots (payload, then block scales) that gathers send instead."""
+    def enable_fp8(self, layouts: list[ShardLayout], blocks: list[int]) -> None:
+        """Add packed FP8 slots (payload, then scales) that gathers send instead; `blocks[i]`
+        is how many elements of layout i share a scale (fp8.BLOCK, or one row)."""
         packed: dict[torch.dtype, torch.Tensor] = {}
         ends: dict[torch.dtype, int] = {}
         spans = []
-        for lay in layouts:
-            start = ends.get(lay.dtype, 0)
-            ends[lay.dtype] = start + fp8.packed_bytes(lay.slot_numel)
+        for lay, block in zip(layouts, blocks):
+            start = -(-ends.get(lay.dtype, 0) // 16) * 16  # the scales stay 4-byte aligned
+            ends[lay.dtype] = start + fp8.packed_bytes(lay.slot_numel, block)
             spans.append(start)
         for dtype, n in ends.items():
             packed[dtype] = torch.zeros(n, dtype=torch.uint8, device=self.params[dtype].device)
             self._fp8_targets[dtype] = ([], [], [])
-        for lay, start in zip(layouts, spans):
-            q = fp8.padded(lay.slot_numel)
-            slot = packed[lay.dtype][start : start + fp8.packed_bytes(lay.slot_numel)]
+            self._fp8_rows[dtype] = []
+        for lay, block, start in zip(layouts, blocks, spans):
+            q = fp8.padded(lay.slot_numel, block)
+            slot = packed[lay.dtype][start : start + fp8.packed_bytes(lay.slot_numel, block)]
             self.packed_slots.append(slot)
+            payload, scale = slot[:q], slot[q:].view(torch.float32)
+            if block != fp8.BLOCK:
+                rows = self.params[lay.dtype][lay.offset : lay.offset + q].view(-1, block)
+                self._fp8_rows[lay.dtype].append((rows, payload, scale))
+                continue
             first, nblocks = lay.offset // fp8.BLOCK, q // fp8.BLOCK
             payloads, scales, block_ranges = self._fp8_targets[lay.dtype]
-            payloads.append(slot[:q])
-            scales.append(slot[q:].view(torch.float32))
+            payloads.append(payload)
+            scales.append(scale)
             block_ranges.append((first, first + nblocks))
 
     def refresh_compute(self) -> int:
@@ -169,7 +179,7 @@ class FlatStorage:
             with torch.no_grad():
                 if compute is not flat:
                     compute.copy_(flat)
-                if fp8_targets is not None:
+                if fp8_targets is not None and fp8_targets[0]:
                     payload, scale = fp8.quantize(flat.view(-1, fp8.BLOCK))
                     payloads, scales, ranges = fp8_targets
                     torch._foreach_copy_(
@@ -177,6 +187,10 @@ class FlatStorage:
                         [payload[a:b].reshape(-1) for a, b in ranges]
                         + [scale[a:b] for a, b in ranges],
                     )
+                for rows, row_payload, row_scale in self._fp8_rows.get(dtype, ()):
+                    q, s = fp8.quantize(rows)
+                    row_payload.copy_(q.reshape(-1))
+                    row_scale.copy_(s)
             self._cast_version[dtype] = flat._version
             casts += 1
         return casts

@@ -16,6 +16,7 @@ from gtp_wrap.app.model import GPT, GPTConfig
 
 BF16 = {"min_shard_numel": 0, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
 FP8 = BF16 | {"gather_dtype": "fp8"}
+FP8_GEMM = FP8 | {"fp8_matmul": True}
 
 
 def _steps(rank: int, world: int, policy: dict, steps: int = 3) -> dict:
@@ -62,27 +63,31 @@ def test_bf16_gathers_cast_once_per_step_and_reduce_in_fp32() -> None:
     torch.testing.assert_close(bf16[0]["losses"], fp32[0]["losses"], rtol=2e-2, atol=0)
 
 
-def _train_gpt(policy: dict, steps: int = 100) -> float:
+def _train_gpt(rank: int, world: int, policy: dict, ffn: int = 172, steps: int = 100) -> dict:
+    """The reference GPT trained on a global batch of 8 split over the ranks; returns this
+    rank's mean loss over the last 10 steps and the counters of the last step."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=172, max_seq=64)
+    cfg = GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=ffn, max_seq=64)
     model = GTPWrap(GPT(cfg), policy)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = TokenStream(DataConfig(max_bytes=1 << 20), seq=64, vocab=256, seed=0)
     tail = []
     for step in range(steps):
-        x, y = data.batch("train", step, 0, 0, 8)
+        x, y = data.batch("train", step, rank, 0, 8 // world)
+        gtp_wrap.reset_stats(model)
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()
         if step >= steps - 10:
             tail.append(loss.item())
-    return sum(tail) / len(tail)
+    return {"loss": sum(tail) / len(tail), "stats": gtp_wrap.stats(model)}
 
 
 def test_bf16_training_ends_within_half_a_percent_of_fp32() -> None:
-    fp32 = _train_gpt({"min_shard_numel": 0})
-    bf16 = _train_gpt(BF16)
+    # One process: the bf16 cast applies to a group of one too.
+    fp32 = _train_gpt(0, 1, {"min_shard_numel": 0})["loss"]
+    bf16 = _train_gpt(0, 1, BF16)["loss"]
     assert fp32 < 3.5  # it learned something
     assert abs(bf16 - fp32) / fp32 < 0.005, (bf16, fp32)
 
@@ -124,9 +129,61 @@ def test_fp8_gathers_move_about_one_byte_per_element() -> None:
 
 
 def test_fp8_training_ends_within_two_percent_of_bf16() -> None:
-    bf16 = _train_gpt(BF16)
-    low = _train_gpt(FP8)
-    assert abs(low - bf16) / bf16 < 0.02, (low, bf16)
+    # On 2 ranks (a group of one gathers, so quantizes, nothing); the loss of the global batch
+    # is the mean of the ranks' losses on their halves. ffn=176: every Linear's dims are
+    # multiples of 16, as the FP8 GEMM needs.
+    runs = {name: run_ranks(_train_gpt, 2, policy, 176) for name, policy in
+            (("bf16", BF16), ("fp8", FP8), ("fp8_gemm", FP8_GEMM))}  # fmt: skip
+    loss = {name: sum(r["loss"] for r in ranks) / 2 for name, ranks in runs.items()}
+    for name in ("fp8", "fp8_gemm"):
+        assert abs(loss[name] - loss["bf16"]) / loss["bf16"] < 0.02, loss
+        assert runs[name][0]["stats"]["weight_casts"] == 1  # quantized once per step
+    # With fp8_matmul every Linear ran as an FP8 GEMM: 2 layers x 5, and the head.
+    assert runs["fp8_gemm"][0]["stats"]["fp8_matmuls"] == 11
+    assert runs["fp8"][0]["stats"]["fp8_matmuls"] == 0
+
+
+def _fp8_gemm_linear(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    full = {k: v.clone() for k, v in linear.state_dict().items()}
+    model = GTPWrap(linear, FP8_GEMM)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    y = model(x)
+    forward = gtp_wrap.stats(model)
+    y.float().square().sum().backward()
+    return {"full": full, "x": x.detach(), "y": y.detach(), "dx": x.grad,
+            "grad": model.weight.grad, "stats": forward}  # fmt: skip
+
+
+def test_fp8_matmul_forward_is_one_gemm_of_row_quantized_operands() -> None:
+    out = run_ranks(_fp8_gemm_linear, 2)
+    w, b = out[0]["full"]["weight"], out[0]["full"]["bias"]
+    wq, ws = fp8.quantize(w)  # one scale per output row, as fp8_matmul stores the shards
+    w_deq = wq.view(fp8.fp8_dtype()).float() * ws[:, None]
+    for r in out:
+        x = r["x"].bfloat16()
+        xq, xs = fp8.quantize(x)
+        ref = (xq.view(fp8.fp8_dtype()).float() * xs[:, None]) @ w_deq.t() + b.bfloat16().float()
+        torch.testing.assert_close(r["y"].float(), ref, rtol=1e-2, atol=1e-2)
+        assert r["stats"]["fp8_matmuls"] == 1
+        # On the wire: one byte per element and one fp32 scale per 64-wide row.
+        assert r["stats"]["bytes_gathered"] == 48 * 64 + 4 * 48
+        # Backward: the input gradient through the dequantized (bf16) weight.
+        g = 2 * r["y"].float()
+        torch.testing.assert_close(
+            r["dx"].float(), g @ w_deq.bfloat16().float(), rtol=2e-2, atol=2e-2
+        )
+    # The weight gradient is the mean over the ranks of g^T x, reduce-scattered as usual.
+    grads = [2 * r["y"].float().t() @ r["x"].bfloat16().float() for r in out]
+    expected = (grads[0] + grads[1]) / 2
+    torch.testing.assert_close(out[0]["grad"], expected[:24], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[1]["grad"], expected[24:], rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_matmul_needs_fp8_gathers() -> None:
+    with pytest.raises(PolicyError, match="gather_dtype: fp8"):
+        GTPWrap(TinyGPT(), BF16 | {"fp8_matmul": True})
 
 
 def test_fp8_without_float8_dtypes_names_the_alternative(monkeypatch) -> None:
