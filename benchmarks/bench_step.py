@@ -11,6 +11,7 @@ length and seed, with AdamW:
 - fsdp2: fully_shard on every block and the root, bf16 param_dtype, fp32 reduce_dtype;
 - gtp: GTPWrap with the default policy, bf16 gathers (param_dtype), fp32 reductions;
 - gtp_fp8: the same with FP8 gathers (gather_dtype: fp8);
+- gtp_fp8_gemm: FP8 gathers feeding FP8 GEMMs for every Linear's forward (fp8_matmul: true);
 - gtp_graph: gtp with the whole step (forward, backward, AdamW(capturable=True)) captured in a
   CUDA graph by gtp_wrap.graph_step after the warm-up steps.
 Each reports the median step time over the timed steps after warm-up, tokens/s per GPU, MFU
@@ -48,7 +49,7 @@ MODELS = {
     "smoke": GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=172, max_seq=64),
 }  # fmt: skip
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
-METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_graph")
+METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph")
 
 
 def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -77,8 +78,9 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         fully_shard(model, mp_policy=mp)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None
     policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32", **overrides}
-    if method == "gtp_fp8":
+    if method.startswith("gtp_fp8"):
         policy["gather_dtype"] = "fp8"
+        policy["fp8_matmul"] = method == "gtp_fp8_gemm"
     if cfg.d < 512:
         policy["min_shard_numel"] = 0
     GTPWrap(model, policy)

@@ -15,14 +15,17 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
         sys.executable,
         str(ROOT / "benchmarks/bench_step.py"),
         "--smoke",
+        "--methods",
+        *["floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm"],
         "--out",
         str(tmp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["floor", "ddp", "fsdp2", "gtp"]
+    methods = ["floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm"]
+    assert [r["method"] for r in rows] == methods
     assert all(r["step_ms"] > 0 for r in rows)
-    assert rows[-1]["blocking_by_pass"] == {"forward": 2, "backward": 2}
+    assert all(r["blocking_by_pass"] == {"forward": 2, "backward": 2} for r in rows[3:])
     assert (tmp_path / "bench.png").stat().st_size > 5_000
     assert "GTP/FSDP2" in proc.stdout

@@ -63,17 +63,20 @@ def test_bf16_gathers_cast_once_per_step_and_reduce_in_fp32() -> None:
     torch.testing.assert_close(bf16[0]["losses"], fp32[0]["losses"], rtol=2e-2, atol=0)
 
 
-def _train_gpt(rank: int, world: int, policy: dict, ffn: int = 172, steps: int = 100) -> dict:
+def _train_gpt(
+    rank: int, world: int, policy: dict, ffn: int = 172, steps: int = 100, cuda: bool = False
+) -> dict:
     """The reference GPT trained on a global batch of 8 split over the ranks; returns this
     rank's mean loss over the last 10 steps and the counters of the last step."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=ffn, max_seq=64)
-    model = GTPWrap(GPT(cfg), policy)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    model = GTPWrap(GPT(cfg).to(device), policy)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = TokenStream(DataConfig(max_bytes=1 << 20), seq=64, vocab=256, seed=0)
     tail = []
     for step in range(steps):
-        x, y = data.batch("train", step, rank, 0, 8 // world)
+        x, y = (t.to(device) for t in data.batch("train", step, rank, 0, 8 // world))
         gtp_wrap.reset_stats(model)
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
