@@ -142,11 +142,14 @@ class GTPEngine:
         )
         if self.fp8:
             # Elements per scale: a row for the weights the FP8 GEMM takes (see fp8.py).
+            self._fp8_gemm = [self.fp8_matmul and fp8.fits_gemm(lay) for lay in self.layouts]
             self._fp8_blocks = [
-                lay.row_numel if self.fp8_matmul and fp8.fits_gemm(lay) else fp8.BLOCK
-                for lay in self.layouts
+                lay.row_numel if gemm else fp8.BLOCK
+                for lay, gemm in zip(self.layouts, self._fp8_gemm)
             ]
-            self.storage.enable_fp8(self.layouts, self._fp8_blocks)
+            self.storage.enable_fp8(self.layouts, self._fp8_blocks, self._fp8_gemm)
+            if self.fp8_matmul:
+                fp8.warn_unfit(self.layouts, self._fp8_gemm)
         # Note: graphed regions gather and reduce into buffers of their own. A graph keeps the
         # addresses it was captured with, so handing one of its buffers to an eager pass (a
         # staging buffer with a reduce-scatter still pending, say) would let a replay overwrite
@@ -438,10 +441,9 @@ class GTPEngine:
         if func is not F.linear or len(args) < 2 or type(args[1]) is not GTPParameter:
             return None
         x, lay = args[0], args[1]._gtp_layout
-        if lay is None or self._fp8_blocks[lay.index] == fp8.BLOCK or type(x) is GTPParameter:
+        if lay is None or not self._fp8_gemm[lay.index] or type(x) is GTPParameter:
             return None
-        compute_16bit = x.dtype in (torch.bfloat16, torch.float16)
-        return lay if compute_16bit and x.shape[-1] == lay.shape[1] else None
+        return lay if x.dtype == self.param_dtype and x.shape[-1] == lay.shape[1] else None
 
     def _fp8_linear(
         self,
@@ -456,7 +458,9 @@ class GTPEngine:
         w, scale = fp8.unpack_rows(self.gather(lay, packed=True), lay.world, lay.rows_per_rank,
                                    lay.row_numel)  # fmt: skip
         self.stats.fp8_matmuls += 1
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        if torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        ):
             return fp8.FP8Linear.apply(x, weight, w, scale, self, lay, bias)
         return fp8.linear_forward(x, w, scale, lay, bias)
 

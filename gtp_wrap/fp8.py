@@ -17,6 +17,7 @@ coarsens its whole row, which is the price of the faster GEMM.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -110,6 +111,19 @@ def fits_gemm(lay: ShardLayout) -> bool:
     )
 
 
+def warn_unfit(layouts: list[ShardLayout], fits: list[bool]) -> None:
+    """Name the 2-D weights that keep bf16 GEMMs under fp8_matmul (dims not multiples of 16)."""
+    unfit = [lay for lay, ok in zip(layouts, fits) if not ok and len(lay.shape) == 2]
+    if unfit:
+        names = ", ".join(f"{lay.fqn} {tuple(lay.shape)}" for lay in unfit[:4])
+        warnings.warn(
+            f"fp8_matmul: {len(unfit)} weight(s) keep FP8 gathers with bf16 GEMMs, because "
+            f"torch._scaled_mm needs both dims to be multiples of 16: {names}"
+            + (", ..." if len(unfit) > 4 else ""),
+            stacklevel=4,
+        )
+
+
 def check_gemm_device(device: torch.device) -> None:
     """FP8 GEMMs run on CPUs and on GPUs with FP8 tensor cores (compute capability 8.9+)."""
     if not hasattr(torch, "_scaled_mm"):
@@ -156,9 +170,11 @@ class FP8Linear(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         engine, lay = ctx.engine, ctx.layout
         engine._ensure_backward()
-        weight = engine.gather(lay)
         g = grad.reshape(-1, lay.shape[0])
-        dx = (g @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        engine.reduce_grad(lay, g.t() @ x.reshape(-1, x.shape[-1]))
+        dx = None
+        if ctx.needs_input_grad[0]:  # the weight is re-gathered only when the input needs it
+            dx = (g @ engine.gather(lay)).reshape(x.shape)
+        if ctx.needs_input_grad[1]:  # a frozen weight gets no gradient
+            engine.reduce_grad(lay, g.t() @ x.reshape(-1, x.shape[-1]))
         dbias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[6] else None
         return dx, None, None, None, None, None, dbias

@@ -145,10 +145,11 @@ class GTPPolicy:
             raise PolicyError(
                 f"gather_dtype={self.gather_dtype!r} is not supported; use 'fp8' or null"
             )
-        if self.fp8_matmul and self.gather_dtype is None:
+        bf16 = _DTYPES.get(self.param_dtype or "") is torch.bfloat16
+        if self.fp8_matmul and (self.gather_dtype is None or not bf16):
             raise PolicyError(
                 "fp8_matmul feeds the gathered FP8 weights to the GEMM, so it needs "
-                "gather_dtype: fp8 (and param_dtype: bfloat16 for the activations)"
+                "gather_dtype: fp8 and param_dtype: bfloat16 (the GEMM's output dtype)"
             )
         rules = tuple(_coerce_rule(r) for r in self.rules)
         object.__setattr__(self, "rules", rules)

@@ -136,9 +136,10 @@ class FlatStorage:
                 else torch.zeros(numel, dtype=cdtype, device=device)
             )
 
-    def enable_fp8(self, layouts: list[ShardLayout], blocks: list[int]) -> None:
+    def enable_fp8(self, layouts: list[ShardLayout], blocks: list[int], by_row: list[bool]) -> None:
         """Add packed FP8 slots (payload, then scales) that gathers send instead; `blocks[i]`
-        is how many elements of layout i share a scale (fp8.BLOCK, or one row)."""
+        is how many elements of layout i share a scale: fp8.BLOCK, or with `by_row[i]` one
+        row."""
         packed: dict[torch.dtype, torch.Tensor] = {}
         ends: dict[torch.dtype, int] = {}
         spans = []
@@ -150,12 +151,12 @@ class FlatStorage:
             packed[dtype] = torch.zeros(n, dtype=torch.uint8, device=self.params[dtype].device)
             self._fp8_targets[dtype] = ([], [], [])
             self._fp8_rows[dtype] = []
-        for lay, block, start in zip(layouts, blocks, spans):
+        for lay, block, row_scaled, start in zip(layouts, blocks, by_row, spans):
             q = fp8.padded(lay.slot_numel, block)
             slot = packed[lay.dtype][start : start + fp8.packed_bytes(lay.slot_numel, block)]
             self.packed_slots.append(slot)
             payload, scale = slot[:q], slot[q:].view(torch.float32)
-            if block != fp8.BLOCK:
+            if row_scaled:
                 rows = self.params[lay.dtype][lay.offset : lay.offset + q].view(-1, block)
                 self._fp8_rows[lay.dtype].append((rows, payload, scale))
                 continue

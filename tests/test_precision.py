@@ -3,6 +3,8 @@ gradients reduced in fp32; training quality close to fp32."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,9 +186,37 @@ def test_fp8_matmul_forward_is_one_gemm_of_row_quantized_operands() -> None:
     torch.testing.assert_close(out[1]["grad"], expected[24:], rtol=2e-2, atol=2e-2)
 
 
-def test_fp8_matmul_needs_fp8_gathers() -> None:
-    with pytest.raises(PolicyError, match="gather_dtype: fp8"):
+def _fp8_gemm_edges(rank: int, world: int) -> dict:
+    """128-wide rows, a frozen weight, and a weight the FP8 GEMM cannot take."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = GTPWrap(torch.nn.Sequential(torch.nn.Linear(128, 32), torch.nn.Linear(32, 64),
+                                            torch.nn.Linear(64, 10)), FP8_GEMM)  # fmt: skip
+    model[0].weight.requires_grad_(False)
+    x = torch.randn(3, 128, requires_grad=True)
+    model(x).float().sum().backward()
+    return {
+        "fp8_matmuls": gtp_wrap.stats(model)["fp8_matmuls"],
+        "frozen_grad": model[0].weight.grad,
+        "trained_grad": model[1].weight.grad is not None,
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def test_fp8_matmul_edges() -> None:
+    for r in run_ranks(_fp8_gemm_edges, 2):
+        # Linear(128, 32) and Linear(32, 64) run as FP8 GEMMs; Linear(64, 10) cannot (N=10).
+        assert r["fp8_matmuls"] == 2
+        assert r["frozen_grad"] is None and r["trained_grad"]
+        assert any("2.weight (10, 64)" in w for w in r["warnings"]), r["warnings"]
+
+
+def test_fp8_matmul_needs_fp8_gathers_in_bf16() -> None:
+    with pytest.raises(PolicyError, match="gather_dtype: fp8 and param_dtype: bfloat16"):
         GTPWrap(TinyGPT(), BF16 | {"fp8_matmul": True})
+    with pytest.raises(PolicyError, match="param_dtype: bfloat16"):
+        GTPWrap(TinyGPT(), FP8_GEMM | {"param_dtype": None})
 
 
 def test_fp8_without_float8_dtypes_names_the_alternative(monkeypatch) -> None:
