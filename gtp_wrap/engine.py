@@ -141,13 +141,9 @@ class GTPEngine:
             self.layouts, self.device, None if self.fp8 else self.param_dtype
         )
         if self.fp8:
-            # Elements per scale: a row for the weights the FP8 GEMM takes (see fp8.py).
+            # One scale per row for the weights the FP8 GEMM takes (see fp8.py).
             self._fp8_gemm = [self.fp8_matmul and fp8.fits_gemm(lay) for lay in self.layouts]
-            self._fp8_blocks = [
-                lay.row_numel if gemm else fp8.BLOCK
-                for lay, gemm in zip(self.layouts, self._fp8_gemm)
-            ]
-            self.storage.enable_fp8(self.layouts, self._fp8_blocks, self._fp8_gemm)
+            self.storage.enable_fp8(self.layouts, self._fp8_gemm)
             if self.fp8_matmul:
                 fp8.warn_unfit(self.layouts, self._fp8_gemm)
         # Note: graphed regions gather and reduce into buffers of their own. A graph keeps the
@@ -514,7 +510,7 @@ class GTPEngine:
         if self.fp8 and not packed:
             out = self.pool.reserve(lay.gathered_numel, self.param_dtype or lay.dtype)
             out.owner = lay
-            block = self._fp8_blocks[lay.index]
+            block = self.storage.fp8_blocks[lay.index]
             fp8.dequantize_into(buf.tensor, lay.world, lay.slot_numel, out.tensor, block)
             self.pool.hand_out(buf)
             buf = out

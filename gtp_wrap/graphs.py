@@ -383,6 +383,15 @@ class _Region:
                 self.bwd_replay = bwd_replay.captured(
                     {p: p.grad for p in self.sharded if p.grad is not None}
                 )
+            # What the backward returns for each input of _RegionReplay (after the region):
+            # the graph's gradient of an input or replicated parameter; None for sharded
+            # weights (their reduce-scatter is in the graph) and inputs without gradients.
+            by_input = dict(zip(map(id, self.wrt), self.static_grad_in))
+            sharded = set(map(id, self.sharded))
+            self.grad_of_input = [
+                None if id(t) in sharded else by_input.get(id(t))
+                for t in (*self.static_in, *self.params)
+            ]
         finally:
             for p, g in before.items():
                 p.grad = g
@@ -496,13 +505,7 @@ class _RegionReplay(torch.autograd.Function):
                 static.copy_(g)
         region.bwd.replay()
         region.bwd_replay.after_replay()
-        by_input = dict(zip(map(id, region.wrt), region.static_grad_in))
-        sharded = set(map(id, region.sharded))
-        out = [
-            None if id(t) in sharded or by_input.get(id(t)) is None else by_input[id(t)].clone()
-            for t in (*region.static_in, *region.params)
-        ]
-        return (None, *out)
+        return (None, *(None if g is None else g.clone() for g in region.grad_of_input))
 
 
 _regions = itertools.count()

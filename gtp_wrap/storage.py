@@ -124,6 +124,7 @@ class FlatStorage:
         self.packed_slots: list[torch.Tensor] = []
         self._fp8_targets: dict[torch.dtype, tuple[list, list, list]] = {}
         self._fp8_rows: dict[torch.dtype, list[tuple[torch.Tensor, ...]]] = {}
+        self.fp8_blocks: list[int] = []  # elements per scale, per layout
         for dtype in dict.fromkeys(lay.dtype for lay in layouts):
             same = [lay for lay in layouts if lay.dtype == dtype]
             numel = max(lay.offset + fp8.padded(lay.slot_numel) for lay in same)
@@ -136,10 +137,11 @@ class FlatStorage:
                 else torch.zeros(numel, dtype=cdtype, device=device)
             )
 
-    def enable_fp8(self, layouts: list[ShardLayout], blocks: list[int], by_row: list[bool]) -> None:
-        """Add packed FP8 slots (payload, then scales) that gathers send instead; `blocks[i]`
-        is how many elements of layout i share a scale: fp8.BLOCK, or with `by_row[i]` one
-        row."""
+    def enable_fp8(self, layouts: list[ShardLayout], by_row: list[bool]) -> None:
+        """Add packed FP8 slots (payload, then scales) that gathers send instead; the elements
+        of layout i share a scale per fp8.BLOCK, or per row with `by_row[i]`."""
+        self.fp8_blocks = [lay.row_numel if row else fp8.BLOCK for lay, row in zip(layouts, by_row)]
+        blocks = self.fp8_blocks
         packed: dict[torch.dtype, torch.Tensor] = {}
         ends: dict[torch.dtype, int] = {}
         spans = []
