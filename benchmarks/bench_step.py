@@ -110,9 +110,9 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
 
     def step(x: torch.Tensor, y: torch.Tensor, model=model, optim=optim) -> None:
         ctx = torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext()
-        with ctx:
-            logits = model(x)
-        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        with ctx:  # the loss is fp32 either way; no logits outlive the backward
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
         optim.step()
 
     run = gtp_wrap.graph_step(model, step, warmup=warmup) if method == "gtp_graph" else step
@@ -239,6 +239,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _field(item: str) -> tuple[str, object]:
     key, _, value = item.partition("=")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
     return key, int(value) if value.isdigit() else value
 
 

@@ -91,7 +91,8 @@ def no_sync(module: nn.Module) -> Iterator[None]:
 def stats(module: nn.Module) -> dict[str, Any]:
     """Gather and reduce counters since the last `reset_stats`: gathers, prefetched_gathers,
     blocking_gathers (and per pass kind), bytes_gathered, bytes_reduced, peak_gathered_bytes,
-    weight_casts (re-casts of the shards: once per step) and fp8_matmuls (FP8 GEMMs)."""
+    weight_casts (re-casts of a kept compute copy or FP8 re-quantizations: once per step) and
+    fp8_matmuls (FP8 GEMMs)."""
     s = engine_of(module).stats
     return {
         "gathers": s.gathers,

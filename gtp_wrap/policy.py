@@ -100,7 +100,13 @@ class GTPPolicy:
             CollectiveTimeoutError naming the weight (on gloo; NCCL uses its group's timeout).
         param_dtype: the dtype weights are gathered and computed in ("bfloat16", "float16");
             None keeps the parameters' dtype. Shards, optimizer state and `.grad` stay in the
-            parameters' own dtype (fp32 masters); each shard is cast once per step.
+            parameters' own dtype (fp32 masters). No autocast: gathers move and yield weights
+            in param_dtype, so no use casts a full weight.
+        compute_copy: where the shards are cast to param_dtype. False (default): each gather
+            casts this rank's shard straight into its part of the gather buffer, as FSDP2
+            does, so no copy is held. True: keep a param_dtype copy of the shards, cast once
+            per step, which holds 1/N of the model in param_dtype more memory for one cast
+            per step instead of one per gather (see the Note in engine.py).
         reduce_dtype: the dtype weight gradients are reduce-scattered in ("float32"); None
             uses param_dtype's gradients as they come.
         gather_dtype: "fp8" to gather float8_e4m3fn shards with a scale per 128-element block
@@ -122,6 +128,7 @@ class GTPPolicy:
     loss_reduction: Literal["mean", "sum"] = "mean"
     collective_timeout_s: float = 300.0
     param_dtype: str | None = None
+    compute_copy: bool = False
     reduce_dtype: str | None = None
     gather_dtype: str | None = None
     fp8_matmul: bool = False
@@ -132,6 +139,7 @@ class GTPPolicy:
             ("prefetch_depth", int),
             ("pad_for_alignment", bool),
             ("fp8_matmul", bool),
+            ("compute_copy", bool),
             ("collective_timeout_s", (int, float)),
         ):
             value = getattr(self, name)

@@ -74,8 +74,11 @@ class ShardLayout:
 
     def local_view(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's rows in the weight's logical layout: the registered parameter."""
-        n = self.local_rows * self.row_numel
-        block = flat[self.offset : self.offset + n].view(self.local_rows, *self.rest)
+        return self.local_of_slot(self.slot(flat))
+
+    def local_of_slot(self, slot: torch.Tensor) -> torch.Tensor:
+        """The rows of a slot-sized tensor that this rank owns, in the logical layout."""
+        block = slot[: self.local_rows * self.row_numel].view(self.local_rows, *self.rest)
         return block.movedim(0, self.dim)
 
     @functools.cached_property
@@ -102,9 +105,13 @@ class ShardLayout:
 
 
 class FlatStorage:
-    """One flat tensor per dtype holding this rank's slots of every sharded weight, a flat
-    gradient tensor of the same layout that the parameters' `.grad` views point into, and, with
-    a compute dtype, a same-layout copy in that dtype which gathers read.
+    """One flat tensor per dtype holding this rank's slots of every sharded weight and, with a
+    compute dtype, a same-layout copy in that dtype which gathers read.
+
+    Note: gradients are not kept here. Each weight's `.grad` is the slot its reduce-scatter
+    wrote, allocated when its backward produces it, so `zero_grad(set_to_none=True)` frees them
+    and the forward of the next step (where activation memory peaks) holds none, as with FSDP2.
+    A preallocated flat gradient would hold 1/N of the model in fp32 through every forward.
 
     Note: the parameters are views of `params[dtype]` and share its version counter, so one
     integer comparison tells whether any shard changed (an optimizer step, a load) since the
@@ -115,7 +122,6 @@ class FlatStorage:
         self, layouts: list[ShardLayout], device: torch.device, compute_dtype: torch.dtype | None
     ) -> None:
         self.params: dict[torch.dtype, torch.Tensor] = {}
-        self.grads: dict[torch.dtype, torch.Tensor] = {}
         self.compute: dict[torch.dtype, torch.Tensor] = {}
         self._cast_version: dict[torch.dtype, int] = {}
         # FP8 gathers (enable_fp8): packed slots, and per dtype the views a quantization fills:
@@ -129,7 +135,6 @@ class FlatStorage:
             same = [lay for lay in layouts if lay.dtype == dtype]
             numel = max(lay.offset + fp8.padded(lay.slot_numel) for lay in same)
             self.params[dtype] = torch.zeros(numel, dtype=dtype, device=device)
-            self.grads[dtype] = torch.zeros(numel, dtype=dtype, device=device)
             cdtype = compute_dtype or dtype
             self.compute[dtype] = (
                 self.params[dtype]

@@ -1,5 +1,5 @@
-"""Mixed precision: weights gathered and used in bf16, cast once per step from fp32 masters,
-gradients reduced in fp32; training quality close to fp32."""
+"""Mixed precision: weights gathered and used in bf16 from fp32 masters (cast per gather, or once
+per step into a kept copy), gradients reduced in fp32; training quality close to fp32."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from models import TinyGPT
 
 import gtp_wrap
 from gtp_wrap import GTPWrap, PolicyError, fp8
+from gtp_wrap.api import engine_of
 from gtp_wrap.app.data import DataConfig, TokenStream
 from gtp_wrap.app.model import GPT, GPTConfig
 
@@ -43,7 +44,13 @@ def _steps(rank: int, world: int, policy: dict, steps: int = 3) -> dict:
         if step == 0:
             gtp_wrap.reset_stats(model)
     s = gtp_wrap.stats(model)
+    storage = engine_of(model).storage
     return {
+        "copy_bytes": sum(
+            t.numel() * t.element_size()
+            for dtype, t in storage.compute.items()
+            if t is not storage.params[dtype]
+        ),
         "losses": losses,
         "out_dtypes": sorted(out_dtypes),
         "grad_dtypes": sorted(grad_dtypes),
@@ -52,8 +59,8 @@ def _steps(rank: int, world: int, policy: dict, steps: int = 3) -> dict:
     }
 
 
-def test_bf16_gathers_cast_once_per_step_and_reduce_in_fp32() -> None:
-    bf16 = run_ranks(_steps, 2, BF16)
+def test_bf16_compute_copy_is_cast_once_per_step_and_grads_reduce_in_fp32() -> None:
+    bf16 = run_ranks(_steps, 2, BF16 | {"compute_copy": True})
     fp32 = run_ranks(_steps, 2, {"min_shard_numel": 0})
     for r in bf16:
         assert r["out_dtypes"] == ["torch.bfloat16"]
@@ -63,6 +70,17 @@ def test_bf16_gathers_cast_once_per_step_and_reduce_in_fp32() -> None:
         assert 2 * r["stats"]["bytes_gathered"] == fp32[0]["stats"]["bytes_gathered"]
         assert r["stats"]["bytes_reduced"] == fp32[0]["stats"]["bytes_reduced"]  # fp32 grads
     torch.testing.assert_close(bf16[0]["losses"], fp32[0]["losses"], rtol=2e-2, atol=0)
+
+
+def test_casting_per_gather_equals_the_compute_copy_without_keeping_one() -> None:
+    copy = run_ranks(_steps, 2, BF16 | {"compute_copy": True})
+    lean = run_ranks(_steps, 2, BF16)  # the default
+    for kept, cast in zip(copy, lean):
+        assert cast["losses"] == kept["losses"]  # the same bf16 values are gathered
+        assert cast["out_dtypes"] == ["torch.bfloat16"]
+        assert cast["stats"]["bytes_gathered"] == kept["stats"]["bytes_gathered"]
+        assert (cast["stats"]["weight_casts"], kept["stats"]["weight_casts"]) == (0, 2)
+        assert cast["copy_bytes"] == 0 < kept["copy_bytes"]
 
 
 def _train_gpt(

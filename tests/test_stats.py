@@ -66,3 +66,28 @@ def test_peak_gathered_memory_does_not_grow_with_depth() -> None:
     assert deep["peak_gathered_bytes"] == shallow["peak_gathered_bytes"] > 0
     # One 32x32 fp32 weight in use plus one prefetched: two buffers of 4 KiB.
     assert shallow["peak_gathered_bytes"] == 2 * 32 * 32 * 4
+
+
+def _grad_ownership(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = GTPWrap(TinyGPT(), {"min_shard_numel": 0})
+    sharded = [p for p in model.parameters() if getattr(p, "_gtp_layout", None) is not None]
+    model(torch.randint(0, 48, (2, 8))).float().pow(2).mean().backward()
+    slot_bytes = [p._gtp_layout.slot_numel * p.element_size() for p in sharded]
+    storages = [p.grad.untyped_storage() for p in sharded]
+    for p in model.parameters():
+        p.grad = None  # zero_grad(set_to_none=True)
+    return {
+        "grad_bytes": [s.nbytes() for s in storages],
+        "slot_bytes": slot_bytes,
+        # References to each gradient's memory besides `storages` itself: none may be left.
+        "held_elsewhere": [torch._C._storage_Use_Count(s._cdata) - 1 for s in storages],
+    }
+
+
+def test_gradients_are_per_weight_and_freed_by_set_to_none() -> None:
+    """A weight's gradient is the slot its reduce-scatter wrote, and nothing in the engine keeps
+    it: between steps (where the next forward's activations peak) no gradient memory is held."""
+    for r in run_ranks(_grad_ownership, 2):
+        assert r["grad_bytes"] == r["slot_bytes"]
+        assert r["held_elsewhere"] == [0] * len(r["grad_bytes"])
