@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_step import MODELS
+from bench_step import MODELS, _field
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
@@ -129,7 +129,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("prof"))
     ap.add_argument("--cprofile", action="store_true", help="also write a host-side cProfile")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the model's parameters (float32: masters for param_dtype)")  # fmt: skip
+    ap.add_argument("--gtp-policy", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="GTPPolicy overrides: param_dtype=bfloat16 gather_dtype=fp8")  # fmt: skip
     args = ap.parse_args()
+    args.gtp_policy = dict(_field(item) for item in args.gtp_policy)
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -138,8 +143,8 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = MODELS[args.model]
     with torch.device("cuda"):
-        model = GPT(cfg).to(torch.bfloat16)
-    GTPWrap(model)
+        model = GPT(cfg).to(getattr(torch, args.dtype))
+    GTPWrap(model, args.gtp_policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     timer = HookTimer()
     idx = torch.randint(0, cfg.vocab, (args.batch, args.seq), device="cuda")
@@ -184,7 +189,6 @@ def main() -> None:
         host.disable()
         with open(args.out / f"cprofile_rank{rank}.txt", "w") as f:
             pstats.Stats(host, stream=f).sort_stats("tottime").print_stats(40)
-    engine = model._gtp_engine  # type: ignore[attr-defined]
     summary = {
         "config": vars(args) | {"out": str(args.out)},
         "world": dist.get_world_size(),
@@ -192,10 +196,9 @@ def main() -> None:
         "stats_per_step": {k: v / args.steps for k, v in stats.items() if isinstance(v, int)},
         "blocking_by_pass": stats["blocking_by_pass"],
         "host_us_per_weight_use": 1e6 * timer.seconds / max(uses, 1),
-        "gather_buffers": len(engine.pool._by_ptr),
-        "gather_pool_mib": engine.pool.total_bytes / 2**20,
+        "peak_gathered_mib": stats["peak_gathered_bytes"] / 2**20,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "trace": analyse_trace(trace_path),
+        "trace (2 profiled steps)": analyse_trace(trace_path),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
     }

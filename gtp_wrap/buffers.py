@@ -71,7 +71,7 @@ class GatherBufferPool:
         self.device = device
         self._by_key: dict[tuple[int, torch.dtype], list[GatherBuffer]] = {}
         self._by_ptr: dict[int, GatherBuffer] = {}
-        self.total_bytes = 0  # memory held by gather buffers: they are never freed
+        self.total_bytes = 0  # memory held by gather buffers
 
     def reserve(self, numel: int, dtype: torch.dtype) -> GatherBuffer:
         """A free buffer for a gather about to be issued, marked GATHERING (new if none is)."""
@@ -91,6 +91,13 @@ class GatherBufferPool:
         """The gather into `buf` is complete; from now on its views decide when it is free."""
         buf._gathering = False
         buf.settle()
+
+    def release_free(self) -> None:
+        """Drop the free buffers: the allocator has the memory until the next reserve."""
+        for key, buffers in self._by_key.items():
+            self._by_key[key] = [b for b in buffers if b.state is not BufferState.FREE]
+        self._by_ptr = {b.data_ptr: b for bs in self._by_key.values() for b in bs}
+        self.total_bytes = sum(b.nbytes for b in self._by_ptr.values())
 
     def lookup(self, t: torch.Tensor) -> GatherBuffer | None:
         """The buffer `t` is a view of, if any."""

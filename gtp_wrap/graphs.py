@@ -242,6 +242,7 @@ class GraphedStep:
             )
         self.engine = engine_of(model)
         _require_cuda(self.engine, "graph_step")
+        self.engine.keep_buffers = True  # from the warm-up steps on, for the capture to reuse
         self.model = model
         self.fn = fn
         self.warmup = warmup

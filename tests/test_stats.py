@@ -78,6 +78,7 @@ def _grad_ownership(rank: int, world: int) -> dict:
     for p in model.parameters():
         p.grad = None  # zero_grad(set_to_none=True)
     return {
+        "gather_buffer_bytes": gtp_wrap.api.engine_of(model).gather_bytes(),
         "grad_bytes": [s.nbytes() for s in storages],
         "slot_bytes": slot_bytes,
         # References to each gradient's memory besides `storages` itself: none may be left.
@@ -85,9 +86,11 @@ def _grad_ownership(rank: int, world: int) -> dict:
     }
 
 
-def test_gradients_are_per_weight_and_freed_by_set_to_none() -> None:
+def test_no_gradient_or_gather_buffer_is_held_between_steps() -> None:
     """A weight's gradient is the slot its reduce-scatter wrote, and nothing in the engine keeps
-    it: between steps (where the next forward's activations peak) no gradient memory is held."""
+    it; gather buffers go back to the allocator after each backward. Between steps only the
+    shards (and what the optimizer keeps) hold memory."""
     for r in run_ranks(_grad_ownership, 2):
+        assert r["gather_buffer_bytes"] == 0
         assert r["grad_bytes"] == r["slot_bytes"]
         assert r["held_elsewhere"] == [0] * len(r["grad_bytes"])
