@@ -68,11 +68,13 @@ def dequantize_into(
     rows = packed.view(ranks, packed_bytes(numel, block))
     payload = rows[:, :q].view(fp8_dtype()).view(ranks, q // block, block)
     scales = rows[:, q:].view(torch.float32).view(ranks, q // block, 1)
+    if q == numel:  # straight into `out`: no full-size temporary beyond the cast payload
+        torch.mul(
+            payload.to(out.dtype), scales.to(out.dtype), out=out.view(ranks, q // block, block)
+        )
+        return
     values = payload.to(out.dtype) * scales.to(out.dtype)
-    if q == numel:
-        out.view(ranks, q // block, block).copy_(values)
-    else:
-        out.view(ranks, numel).copy_(values.view(ranks, q)[:, :numel])
+    out.view(ranks, numel).copy_(values.view(ranks, q)[:, :numel])
 
 
 def unpack_rows(
