@@ -1,12 +1,14 @@
-"""Profile a few GTP training steps and measure overlap and host time per weight use.
+"""Profile a few training steps: kernel time by kind, overlap, and GTP's host time per use.
 
-    torchrun --nproc_per_node 2 benchmarks/profile_gtp.py --out prof/
+    torchrun --nproc_per_node 2 benchmarks/profile_gtp.py --method gtp --batch 8 --out prof/
 
-The model is the reference Llama-style GPT (bf16 weights, no fp32 masters). Writes a
-torch.profiler Chrome trace per rank and a JSON summary with: the share of all-gather
-and reduce-scatter kernel time that overlaps GEMM kernels, step time, and the host time spent
-in GTP's hooks per weight use (interception, pack/unpack, reduce-scatter issue, excluding the
-wrapped op itself).
+The model, optimizer and step are bench_step.py's for the chosen method (floor, gtp, gtp_graph,
+...; `--gtp-policy` overrides as there). Writes a torch.profiler Chrome trace per rank and a
+JSON summary with: step time; per step, the kernel time of GEMMs, of NCCL collectives and of
+everything else, and how long the compute stream (all non-NCCL kernels) was busy; the share of
+all-gather and reduce-scatter kernel time that overlaps GEMM kernels; and for eager GTP methods
+the host time spent in GTP's hooks per weight use (interception, pack/unpack, reduce-scatter
+issue, excluding the wrapped op itself).
 """
 
 from __future__ import annotations
@@ -22,11 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_step import MODELS, _field
+from bench_step import METHODS, MODELS, _build, _field
 
 import gtp_wrap
-from gtp_wrap import GTPWrap
-from gtp_wrap.app.model import GPT
 from gtp_wrap.engine import GTPEngine
 from gtp_wrap.parameter import GTPParameter, is_use
 
@@ -103,7 +103,7 @@ def _is_gemm(name: str) -> bool:
     return any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul"))
 
 
-def analyse_trace(path: Path) -> dict:
+def analyse_trace(path: Path, steps: int) -> dict:
     trace = json.loads(path.read_text())
     kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
     gemms = _intervals(kernels, _is_gemm)
@@ -117,6 +117,16 @@ def analyse_trace(path: Path) -> dict:
             "overlapped_with_gemm_share": _overlap(spans, gemms) / busy if busy else None,
         }
     out["gemm_kernels"] = len(gemms)
+    nccl = [e for e in kernels if "nccl" in e["name"].lower()]
+    compute = _intervals(kernels, lambda n: "nccl" not in n.lower())
+    busy = _overlap([(compute[0][0], max(e for _, e in compute))], compute) if compute else 0.0
+    gemm_us = sum(e - s for s, e in gemms)
+    out["per_step_ms"] = {
+        "gemm": gemm_us / steps / 1e3,
+        "other_compute": (sum(e - s for s, e in compute) - gemm_us) / steps / 1e3,
+        "compute_stream_busy": busy / steps / 1e3,
+        "nccl": sum(e["dur"] for e in nccl) / steps / 1e3,
+    }
     return out
 
 
@@ -129,37 +139,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("prof"))
     ap.add_argument("--cprofile", action="store_true", help="also write a host-side cProfile")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="the model's parameters (float32: masters for param_dtype)")  # fmt: skip
+    ap.add_argument("--method", default="gtp", choices=METHODS)
     ap.add_argument("--gtp-policy", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="GTPPolicy overrides: param_dtype=bfloat16 gather_dtype=fp8")  # fmt: skip
+                    help="GTPPolicy overrides: gather_dtype=fp8")  # fmt: skip
     args = ap.parse_args()
     args.gtp_policy = dict(_field(item) for item in args.gtp_policy)
 
     local = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local)
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank = dist.get_rank()
-    torch.manual_seed(0)
+    dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
     cfg = MODELS[args.model]
-    with torch.device("cuda"):
-        model = GPT(cfg).to(getattr(torch, args.dtype))
-    GTPWrap(model, args.gtp_policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt, autocast = _build(args.method, cfg, device, world, args.gtp_policy)
+    gtp = args.method.startswith("gtp")
     timer = HookTimer()
     idx = torch.randint(0, cfg.vocab, (args.batch, args.seq), device="cuda")
 
-    def step() -> None:
-        loss = F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten())
+    def train_step() -> None:
+        with torch.autocast("cuda", autocast, enabled=autocast is not None):
+            loss = F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten())
         loss.backward()
         opt.step()
-        opt.zero_grad()
+
+    run = gtp_wrap.graph_step(model, train_step) if args.method == "gtp_graph" else train_step
+
+    def step() -> None:
+        run()
+        opt.zero_grad(set_to_none=True)
+        if args.method == "floor":
+            model.zero_grad(set_to_none=True)
 
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
-    gtp_wrap.reset_stats(model)
-    timer.enabled = True
+    if gtp:
+        gtp_wrap.reset_stats(model)
+    timer.enabled = args.method in ("gtp", "gtp_fp8", "gtp_fp8_gemm")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(args.steps):
@@ -168,8 +184,7 @@ def main() -> None:
     torch.cuda.synchronize()
     timer.enabled = False
     step_ms = start.elapsed_time(end) / args.steps
-    stats = gtp_wrap.stats(model)
-    uses = stats["gathers"]
+    stats = gtp_wrap.stats(model) if gtp else {}
 
     args.out.mkdir(parents=True, exist_ok=True)
     trace_path = args.out / f"trace_rank{rank}.json"
@@ -194,17 +209,17 @@ def main() -> None:
         "world": dist.get_world_size(),
         "step_ms": step_ms,
         "stats_per_step": {k: v / args.steps for k, v in stats.items() if isinstance(v, int)},
-        "blocking_by_pass": stats["blocking_by_pass"],
-        "host_us_per_weight_use": 1e6 * timer.seconds / max(uses, 1),
-        "peak_gathered_mib": stats["peak_gathered_bytes"] / 2**20,
+        "blocking_by_pass": stats.get("blocking_by_pass"),
+        "host_us_per_weight_use": 1e6 * timer.seconds / stats["gathers"] if timer.seconds else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "trace (2 profiled steps)": analyse_trace(trace_path),
+        "trace": analyse_trace(trace_path, steps=2),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
     }
     (args.out / f"summary_rank{rank}.json").write_text(json.dumps(summary, indent=2))
     if rank == 0:
         print(json.dumps(summary, indent=2))
+    gtp_wrap.release_graphs()  # a live graph keeps NCCL from shutting down
     dist.destroy_process_group()
 
 

@@ -29,3 +29,52 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     assert all(r["blocking_by_pass"] == {"forward": 2, "backward": 2} for r in rows[3:])
     assert (tmp_path / "bench.png").stat().st_size > 5_000
     assert "GTP/FSDP2" in proc.stdout
+
+
+def _benchmark_module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_memory_breakdown_names_what_is_live_at_the_peak() -> None:
+    mb = _benchmark_module("memory_breakdown")
+    engine = [{"filename": "/x/gtp_wrap/engine.py", "name": "reduce_grad", "line": 1}]
+    model = [{"filename": "/x/gtp_wrap/app/model.py", "name": "forward", "line": 65}]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 10, "frames": engine},
+        {"action": "alloc", "addr": 2, "size": 5, "frames": model},
+        {"action": "free_completed", "addr": 2},
+        {"action": "alloc", "addr": 3, "size": 7, "frames": []},  # the peak: 17 live
+        {"action": "free_completed", "addr": 1},
+        {"action": "alloc", "addr": 4, "size": 9, "frames": model},
+    ]
+    peak, groups = mb.peak_breakdown(trace, start=0)
+    assert peak == 17
+    assert groups == {"gtp_wrap/engine.py:reduce_grad": 10, "backward (no Python frame)": 7}
+    # Counting from event 4 on, the peak is 7 + 9 = 16, with the model's block live.
+    assert mb.peak_breakdown(trace, start=4) == (
+        16,
+        {"model/step: model.py:forward:65": 9, "backward (no Python frame)": 7},
+    )
+
+
+def test_profile_summary_splits_kernel_time_by_kind(tmp_path: Path) -> None:
+    pg = _benchmark_module("profile_gtp")
+    kernels = [  # (name, start us, duration us) over 2 steps
+        ("sm90_gemm_bf16", 0, 100),
+        ("ncclDevKernel_AllGather_RING_LL", 50, 100),  # half under the GEMM
+        ("elementwise_kernel", 100, 20),
+        ("sm90_gemm_bf16", 300, 100),
+        ("ncclDevKernel_ReduceScatter_Sum", 500, 40),  # under nothing
+    ]
+    events = [{"cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    out = pg.analyse_trace(tmp_path / "t.json", steps=2)
+    assert out["all_gather"]["overlapped_with_gemm_share"] == 0.5
+    assert out["reduce_scatter"]["overlapped_with_gemm_share"] == 0.0
+    assert out["per_step_ms"] == {
+        "gemm": 0.1, "other_compute": 0.01, "compute_stream_busy": 0.11, "nccl": 0.07,
+    }  # fmt: skip
