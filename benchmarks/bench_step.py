@@ -59,7 +59,7 @@ def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
 
 
 def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict):
-    """(model, optimizer, autocast dtype or None, extra optimizer for the floor)."""
+    """(model, optimizer, autocast dtype or None); the floor's optimizer steps a 1/N shard."""
     if method == "floor":
         model = _model(cfg, device, torch.bfloat16)
         shard = torch.zeros(math.ceil(cfg.n_params / world), device=device, requires_grad=True)

@@ -26,6 +26,8 @@ from bench_step import MODELS, _build, _field
 
 from gtp_wrap.app.launch import launch, under_torchrun
 
+_MAX_ENTRIES = 2_000_000  # allocation events kept; the analysis needs all of them
+
 # Frames that only pass a call through: the allocation belongs to what they call.
 _PASS_THROUGH = {"call_with_full_weights", "__torch_function__", "_full_weight", "forward"}
 
@@ -77,7 +79,7 @@ def peak_breakdown(trace: list[dict], start: int) -> tuple[int, dict[str, int]]:
 
 def _rank(device: torch.device, args: argparse.Namespace) -> None:
     cfg = MODELS[args.model]
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=_MAX_ENTRIES, stacks="python")
     world = dist.get_world_size()
     model, optim, autocast = _build(args.method, cfg, device, world, args.gtp_policy)
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -99,6 +101,8 @@ def _rank(device: torch.device, args: argparse.Namespace) -> None:
     torch.cuda.synchronize()
     trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
     torch.cuda.memory._record_memory_history(enabled=None)
+    if len(trace) >= _MAX_ENTRIES:
+        sys.exit("the allocation trace wrapped around: raise _MAX_ENTRIES or use fewer steps")
     peak, groups = peak_breakdown(trace, start)
     if dist.get_rank() == 0:
         result = {

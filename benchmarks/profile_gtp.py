@@ -153,7 +153,9 @@ def main() -> None:
     cfg = MODELS[args.model]
     model, opt, autocast = _build(args.method, cfg, device, world, args.gtp_policy)
     gtp = args.method.startswith("gtp")
-    timer = HookTimer()
+    if args.method == "gtp_graph" and args.warmup < 3:
+        ap.error("gtp_graph needs --warmup >= 3 (two eager steps, then the capture)")
+    timer = HookTimer() if gtp else None
     idx = torch.randint(0, cfg.vocab, (args.batch, args.seq), device="cuda")
 
     def train_step() -> None:
@@ -176,14 +178,16 @@ def main() -> None:
     torch.cuda.synchronize()
     if gtp:
         gtp_wrap.reset_stats(model)
-    timer.enabled = args.method in ("gtp", "gtp_fp8", "gtp_fp8_gemm")
+    if timer is not None:
+        timer.enabled = not graphed
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(args.steps):
         step()
     end.record()
     torch.cuda.synchronize()
-    timer.enabled = False
+    if timer is not None:
+        timer.enabled = False
     step_ms = start.elapsed_time(end) / args.steps
     stats = gtp_wrap.stats(model) if gtp else {}
 
@@ -211,7 +215,9 @@ def main() -> None:
         "step_ms": step_ms,
         "stats_per_step": {k: v / args.steps for k, v in stats.items() if isinstance(v, int)},
         "blocking_by_pass": stats.get("blocking_by_pass"),
-        "host_us_per_weight_use": 1e6 * timer.seconds / stats["gathers"] if timer.seconds else None,
+        "host_us_per_weight_use": 1e6 * timer.seconds / stats["gathers"]
+        if timer is not None and stats["gathers"]
+        else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "trace": analyse_trace(trace_path, steps=2),
         "torch": torch.__version__,

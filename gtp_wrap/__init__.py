@@ -4,6 +4,7 @@ from .api import GTPWrap, no_sync, reset_stats, stats
 from .clip import clip_grad_norm_
 from .errors import (
     ChainMismatchError,
+    CollectiveError,
     CollectiveTimeoutError,
     GraphCaptureError,
     GTPError,
@@ -16,6 +17,7 @@ from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
     "ChainMismatchError",
+    "CollectiveError",
     "CollectiveTimeoutError",
     "GTPError",
     "GraphCaptureError",

@@ -5,8 +5,9 @@ in ways no hook sees (`w = self.weight.t()` kept for later, several same-shape w
 before any is used, a checkpoint frame holding recomputed weights), and handing such a buffer to
 the next gather would overwrite a weight still being read. So freeness is not guessed from the
 access pattern: it is read off the storage's reference count, which counts every live view.
-Picks are deterministic (first free buffer of the right size, in creation order), so from the
-second step on the same weights land in the same buffers at the same addresses.
+Picks are deterministic (first free buffer of the right size, in creation order). Between eager
+steps the engine releases the free buffers (see GTPEngine.__init__); a captured step keeps them,
+so from its capture on the same weights land in the same buffers at the same addresses.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ class GatherBuffer:
     """One flat buffer of `numel` elements; its state is derived, never stored twice."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        # A pool outlives any inference_mode block: a buffer made inside one (an eval forward)
+        # must stay writable by the training steps after it.
+        with torch.inference_mode(False):
+            self.tensor = torch.empty(numel, dtype=dtype, device=device)
         self._storage = self.tensor.untyped_storage()
         self._baseline = self._use_count()
         self._gathering = False

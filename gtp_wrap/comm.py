@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveTimeoutError
+from .errors import CollectiveError, CollectiveTimeoutError
 from .mesh import GTPMesh
 
 
@@ -100,6 +100,10 @@ class Comm:
             work.wait(self.timeout)
         except RuntimeError as e:
             what = pending.what.format(step=self.step())
+            # gloo says "timed out" for a late peer and "closed by peer" for a dead one; any
+            # other failure is this rank's own (a bad buffer), and "timeout" would misname it.
+            if not any(k in str(e).lower() for k in ("timed out", "peer")):
+                raise CollectiveError(f"{what} failed: {e}") from e
             raise CollectiveTimeoutError(
                 f"{what} did not complete within {self.timeout.total_seconds():g}s: a "
                 "peer rank is missing, crashed or used its weights in another order "

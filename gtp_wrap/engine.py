@@ -163,8 +163,9 @@ class GTPEngine:
         # Note: between eager steps the model's gather and staging buffers go back to the
         # allocator. Kept, they would sit under the optimizer step, where AdamW's temporaries
         # put the memory peak at small batch (0.2 GiB at 1.36B: an embedding-sized buffer and
-        # a few layers'); the caching allocator hands the same blocks back the next step. A
-        # captured step (graph_step) sets keep_buffers: its graph reads those addresses.
+        # a few layers'); on the GPU the caching allocator serves the next step's buffers from
+        # the same cached blocks. A graph_step sets keep_buffers for good: from its warm-up on,
+        # the buffers its capture will read must exist and stay.
         self.keep_buffers = False
         self._sync_from_rank0(plans)
         self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]

@@ -19,6 +19,10 @@ class ChainMismatchError(GTPError, RuntimeError):
     """Ranks used their sharded weights in different orders, so their collectives would not pair."""
 
 
+class CollectiveError(GTPError, RuntimeError):
+    """A collective failed for a reason other than a timeout; the message carries the cause."""
+
+
 class CollectiveTimeoutError(GTPError, RuntimeError):
     """A collective did not complete in time: a peer rank is missing, crashed or diverged."""
 

@@ -238,7 +238,7 @@ class GraphedStep:
             raise GraphCaptureError(
                 f"warmup={warmup}: at least two eager steps must run before capture: the "
                 "first records the chains, the second makes the gather buffers that "
-                "prefetching needs, so that nothing is allocated during capture"
+                "prefetching needs, so that no gather buffer is allocated during capture"
             )
         self.engine = engine_of(model)
         _require_cuda(self.engine, "graph_step")

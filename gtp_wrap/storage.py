@@ -115,7 +115,7 @@ class FlatStorage:
 
     Note: the parameters are views of `params[dtype]` and share its version counter, so one
     integer comparison tells whether any shard changed (an optimizer step, a load) since the
-    compute copy was made: the cast runs once per step, not once per use.
+    compute copy (or the FP8 slots) was made: when kept, it is cast once per step, not per use.
     """
 
     def __init__(

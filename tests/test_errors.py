@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from gtp_wrap import (
     ChainMismatchError,
+    CollectiveError,
     CollectiveTimeoutError,
     GTPPolicy,
     GTPWrap,
@@ -20,6 +21,7 @@ from gtp_wrap import (
     PolicyError,
     WrapError,
 )
+from gtp_wrap.api import engine_of
 
 
 def _mlp() -> nn.Module:
@@ -131,6 +133,20 @@ def test_missing_peer_times_out_naming_the_weight() -> None:
     # The late rank finds rank 0 gone (at its gather, or at the chain check rank 0 never
     # reaches): an error on every rank, a hang on none.
     assert rank1.startswith(CollectiveTimeoutError.__name__), rank1
+
+
+def _failed_collective(rank: int, world: int) -> str:
+    engine = engine_of(GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0}))
+    with torch.inference_mode():  # gloo cannot write into it outside inference mode
+        out = torch.empty(16)
+    pending = engine.comm.all_gather(out, torch.ones(8), "all-gather of 'probe' (step {step})")
+    return _caught(lambda: engine.comm.wait(pending))
+
+
+def test_a_failed_collective_is_not_reported_as_a_timeout() -> None:
+    for got in run_ranks(_failed_collective, 2, timeout=120):
+        assert got.startswith(f"{CollectiveError.__name__}: all-gather of 'probe' (step 0) failed")
+        assert "Inplace update to inference tensor" in got, got
 
 
 def test_chain_error_type_is_exported() -> None:

@@ -68,6 +68,32 @@ def test_peak_gathered_memory_does_not_grow_with_depth() -> None:
     assert shallow["peak_gathered_bytes"] == 2 * 32 * 32 * 4
 
 
+def _train_eval_train(rank: int, world: int, policy: dict, eval_mode: str) -> list[float]:
+    torch.manual_seed(0)
+    model = GTPWrap(TinyGPT(), {"min_shard_numel": 0, **policy})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.randint(0, 48, (2, 8))
+    evaluation = torch.inference_mode if eval_mode == "inference_mode" else torch.no_grad
+    losses = []
+    for step in range(3):
+        if step != 1:  # an evaluation before the first training step and between two
+            with evaluation():
+                losses.append(model(idx).float().pow(2).mean().item())
+        loss = model(idx).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_inference_mode_evaluation_between_training_steps() -> None:
+    """Buffers made in an inference_mode forward are still writable by the training after it."""
+    for policy in ({}, {"param_dtype": "bfloat16"}):
+        inference = run_ranks(_train_eval_train, 2, policy, "inference_mode")
+        assert inference == run_ranks(_train_eval_train, 2, policy, "no_grad")
+
+
 def _grad_ownership(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = GTPWrap(TinyGPT(), {"min_shard_numel": 0})
