@@ -94,9 +94,11 @@ def test_inference_mode_evaluation_between_training_steps() -> None:
         assert inference == run_ranks(_train_eval_train, 2, policy, "no_grad")
 
 
-def _grad_ownership(rank: int, world: int) -> dict:
+def _grad_ownership(rank: int, world: int, policy: dict, keep_buffers: bool) -> dict:
     torch.manual_seed(0)
-    model = GTPWrap(TinyGPT(), {"min_shard_numel": 0})
+    model = GTPWrap(TinyGPT(), {"min_shard_numel": 0, **policy})
+    engine = gtp_wrap.api.engine_of(model)
+    engine.keep_buffers = keep_buffers  # as graph_step sets it
     sharded = [p for p in model.parameters() if getattr(p, "_gtp_layout", None) is not None]
     model(torch.randint(0, 48, (2, 8))).float().pow(2).mean().backward()
     slot_bytes = [p._gtp_layout.slot_numel * p.element_size() for p in sharded]
@@ -104,7 +106,7 @@ def _grad_ownership(rank: int, world: int) -> dict:
     for p in model.parameters():
         p.grad = None  # zero_grad(set_to_none=True)
     return {
-        "gather_buffer_bytes": gtp_wrap.api.engine_of(model).gather_bytes(),
+        "gather_buffer_bytes": engine.gather_bytes(),
         "grad_bytes": [s.nbytes() for s in storages],
         "slot_bytes": slot_bytes,
         # References to each gradient's memory besides `storages` itself: none may be left.
@@ -113,10 +115,17 @@ def _grad_ownership(rank: int, world: int) -> dict:
 
 
 def test_no_gradient_or_gather_buffer_is_held_between_steps() -> None:
-    """A weight's gradient is the slot its reduce-scatter wrote, and nothing in the engine keeps
-    it; gather buffers go back to the allocator after each backward. Between steps only the
-    shards (and what the optimizer keeps) hold memory."""
-    for r in run_ranks(_grad_ownership, 2):
-        assert r["gather_buffer_bytes"] == 0
-        assert r["grad_bytes"] == r["slot_bytes"]
-        assert r["held_elsewhere"] == [0] * len(r["grad_bytes"])
+    """A weight's gradient is the slot its reduce-scatter wrote (or, reduced in another dtype,
+    its own copy of the staging buffer), and nothing in the engine keeps it; gather buffers go
+    back to the allocator after each backward. Between steps only the shards (and what the
+    optimizer keeps) hold memory."""
+    for policy in ({}, {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}):
+        for r in run_ranks(_grad_ownership, 2, policy, False):
+            assert r["gather_buffer_bytes"] == 0
+            assert r["grad_bytes"] == r["slot_bytes"]  # TinyGPT's rows split evenly
+            assert r["held_elsewhere"] == [0] * len(r["grad_bytes"])
+
+
+def test_a_graphed_step_keeps_its_gather_buffers() -> None:
+    kept = run_ranks(_grad_ownership, 2, {}, True)
+    assert all(r["gather_buffer_bytes"] > 0 for r in kept)
