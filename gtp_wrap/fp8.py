@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import fp8_triton
 from .errors import PolicyError
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ def dequantize_into(
     """Write the dequantized slots of `ranks` gathered packed slots into `out` (ranks * numel)."""
     q = padded(numel, block)
     rows = packed.view(ranks, packed_bytes(numel, block))
+    if fp8_triton.available(out):
+        fp8_triton.dequantize_into(rows, rows[:, q:].view(torch.float32), out, numel, block)
+        return
     payload = rows[:, :q].view(fp8_dtype()).view(ranks, q // block, block)
     scales = rows[:, q:].view(torch.float32).view(ranks, q // block, 1)
     if q == numel:  # straight into `out`: no full-size temporary beyond the cast payload
