@@ -35,6 +35,11 @@ class Pending:
     what: str
 
 
+# How gloo words a peer that is late or gone ("Operation timed out!", "Application timeout
+# caused pair closure", "Connection closed by peer", "Broken pipe", "Connection refused").
+_PEER_TROUBLE = ("timed out", "timeout", "peer", "pair closure", "broken pipe", "connection")
+
+
 class Comm:
     """The collectives of one engine: gathers and reduce-scatters over the GTP group,
     all-reduces over the dp group and over the world."""
@@ -100,9 +105,9 @@ class Comm:
             work.wait(self.timeout)
         except RuntimeError as e:
             what = pending.what.format(step=self.step())
-            # gloo says "timed out" for a late peer and "closed by peer" for a dead one; any
-            # other failure is this rank's own (a bad buffer), and "timeout" would misname it.
-            if not any(k in str(e).lower() for k in ("timed out", "peer")):
+            # A late or dead peer shows as a timeout or a broken connection; any other failure
+            # is this rank's own (a bad buffer), and "timeout" would misname it.
+            if not any(k in str(e).lower() for k in _PEER_TROUBLE):
                 raise CollectiveError(f"{what} failed: {e}") from e
             raise CollectiveTimeoutError(
                 f"{what} did not complete within {self.timeout.total_seconds():g}s: a "

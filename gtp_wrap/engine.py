@@ -138,7 +138,7 @@ class GTPEngine:
         self.reduce_dtype = policy_dtype(policy.reduce_dtype)
         # Note: by default no param_dtype copy of the shards is kept: each gather casts 1/N of
         # its weight into its own part of the gather buffer. On 2xH200 (1.36B, batch 1-8) that
-        # cost no measurable step time, while the copy (policy compute_copy, cast once per
+        # moved step time only within run-to-run noise, while the copy (compute_copy, cast once per
         # step) held 1.27 GiB per GPU and put peak memory above FSDP2's. FP8 gathers read
         # packed FP8 slots instead, and a group of one, which gathers nothing, keeps the copy
         # its local uses read.

@@ -67,18 +67,17 @@ def dequantize_into(
     """Write the dequantized slots of `ranks` gathered packed slots into `out` (ranks * numel)."""
     q = padded(numel, block)
     rows = packed.view(ranks, packed_bytes(numel, block))
-    if fp8_triton.available(out):
+    if fp8_triton.available(out, numel):
         fp8_triton.dequantize_into(rows, rows[:, q:].view(torch.float32), out, numel, block)
         return
-    payload = rows[:, :q].view(fp8_dtype()).view(ranks, q // block, block)
+    # FP8 value (exact in out's dtype) times its fp32 scale, computed in fp32 and rounded
+    # once into `out`: the values the fused kernel writes.
+    payload = rows[:, :q].view(fp8_dtype()).view(ranks, q // block, block).to(out.dtype)
     scales = rows[:, q:].view(torch.float32).view(ranks, q // block, 1)
-    if q == numel:  # straight into `out`: no full-size temporary beyond the cast payload
-        torch.mul(
-            payload.to(out.dtype), scales.to(out.dtype), out=out.view(ranks, q // block, block)
-        )
+    if q == numel:
+        torch.mul(payload, scales, out=out.view(ranks, q // block, block))
         return
-    values = payload.to(out.dtype) * scales.to(out.dtype)
-    out.view(ranks, numel).copy_(values.view(ranks, q)[:, :numel])
+    out.view(ranks, numel).copy_(torch.mul(payload, scales).view(ranks, q)[:, :numel])
 
 
 def unpack_rows(

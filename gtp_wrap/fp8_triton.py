@@ -3,25 +3,41 @@
 Note: PyTorch dequantizes in two elementwise kernels (FP8 -> bf16 of a strided view, then the
 scale multiply), which measured 0.10-0.48 ms per weight of the 1.36B model on an H200: more than
 the bf16 all-gather the FP8 gather replaces (0.07-0.33 ms). This kernel reads each payload byte
-and its block's scale once and writes the result once. `available()` is False where Triton is
-missing (CPU builds), and fp8.dequantize_into then keeps PyTorch's kernels.
+and its block's scale once and writes the result once. `available()` says where it runs: Triton
+present, a CUDA GPU with FP8 support (compute capability 8.9+), a slot small enough for one
+launch grid. Elsewhere fp8.dequantize_into uses PyTorch's kernels, which compute the same
+values (one rounding of FP8 value x fp32 scale).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU builds of torch come without Triton
+except Exception:  # noqa: BLE001 - CPU builds come without Triton; a broken one must not stop us
     triton = None
 
 _ELEMS = 4096  # output elements per program
+_MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis, which counts ELEMS-wide chunks
 
 
-def available(out: torch.Tensor) -> bool:
-    return triton is not None and out.is_cuda
+def available(out: torch.Tensor, numel: int) -> bool:
+    return (
+        triton is not None
+        and out.is_cuda
+        and out.is_contiguous()
+        and _fp8_capable(out.device.index)
+        and triton.cdiv(numel, _ELEMS) <= _MAX_GRID_Y
+    )
+
+
+@functools.cache
+def _fp8_capable(index: int | None) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 if triton is not None:
@@ -47,6 +63,7 @@ def dequantize_into(
     the payload first, `scales` (ranks, blocks) fp32, a view into the same rows."""
     ranks = rows.shape[0]
     grid = (ranks, triton.cdiv(numel, _ELEMS))
-    _dequantize[grid](
-        rows, scales, out, rows.stride(0), scales.stride(0), numel, block, elems=_ELEMS
-    )
+    with torch.cuda.device(out.device):
+        _dequantize[grid](
+            rows, scales, out, rows.stride(0), scales.stride(0), numel, block, elems=_ELEMS
+        )

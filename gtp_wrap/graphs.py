@@ -8,8 +8,9 @@ parts cannot be captured; the rest of the step stays eager.
 
 Note: why GTP's step can be captured at all. Everything the engine decides on the host (which
 buffer a gather lands in, the chain, when a reduce-scatter is finalized, whether a shard needs
-re-casting) is the same from the second step on, so the capture records exactly the kernels and
-collectives of an eager step, at the same addresses. The collectives run on NCCL's internal
+re-casting) is the same from the second step on, and the gather buffers stay put once
+graph_step holds them (eager steps release them), so the capture records exactly the kernels and
+collectives of a warm-up step, at the same addresses. The collectives run on NCCL's internal
 stream, which forks from the capture stream with an event and is joined back by `Work.wait()`,
 so it is captured with them; nothing may still be in flight when capture ends, which the engine
 guarantees because every pass drains its gathers and every backward finalizes its last

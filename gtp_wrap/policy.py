@@ -97,7 +97,8 @@ class GTPPolicy:
         loss_reduction: "mean" averages gradients over all data-parallel ranks (like DDP);
             "sum" adds them.
         collective_timeout_s: a collective that has not completed after this long raises
-            CollectiveTimeoutError naming the weight (on gloo; NCCL uses its group's timeout).
+            CollectiveTimeoutError naming the weight (on gloo; NCCL uses its group's timeout);
+            one that fails on this rank raises CollectiveError with the cause.
         param_dtype: the dtype weights are gathered and computed in ("bfloat16", "float16");
             None keeps the parameters' dtype. Shards, optimizer state and `.grad` stay in the
             parameters' own dtype (fp32 masters). No autocast: gathers move and yield weights

@@ -109,8 +109,9 @@ class FlatStorage:
     compute dtype, a same-layout copy in that dtype which gathers read.
 
     Note: gradients are not kept here. Each weight's `.grad` is the slot its reduce-scatter
-    wrote, allocated when its backward produces it, so `zero_grad(set_to_none=True)` frees them
-    and the forward of the next step (where activation memory peaks) holds none, as with FSDP2.
+    wrote (or its own copy of it, when reduced in another dtype), allocated in backward, so
+    `zero_grad(set_to_none=True)` frees them and the forward of the next step (where activation
+    memory peaks) holds none, as with FSDP2.
     A preallocated flat gradient would hold 1/N of the model in fp32 through every forward.
 
     Note: the parameters are views of `params[dtype]` and share its version counter, so one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from gtp_wrap import (
     WrapError,
 )
 from gtp_wrap.api import engine_of
+from gtp_wrap.comm import Comm, Pending
 
 
 def _mlp() -> nn.Module:
@@ -140,13 +142,40 @@ def _failed_collective(rank: int, world: int) -> str:
     with torch.inference_mode():  # gloo cannot write into it outside inference mode
         out = torch.empty(16)
     pending = engine.comm.all_gather(out, torch.ones(8), "all-gather of 'probe' (step {step})")
-    return _caught(lambda: engine.comm.wait(pending))
+    got = _caught(lambda: engine.comm.wait(pending))
+    engine.comm.exchange("done", [])  # neither rank tears down while its peer still waits
+    return got
 
 
 def test_a_failed_collective_is_not_reported_as_a_timeout() -> None:
     for got in run_ranks(_failed_collective, 2, timeout=120):
         assert got.startswith(f"{CollectiveError.__name__}: all-gather of 'probe' (step 0) failed")
         assert "Inplace update to inference tensor" in got, got
+
+
+class _FailingWork:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def wait(self, timeout=None) -> None:
+        raise RuntimeError(self.message)
+
+
+@pytest.mark.parametrize(
+    "message, error",
+    [
+        ("Operation timed out!", CollectiveTimeoutError),
+        ("Application timeout caused pair closure", CollectiveTimeoutError),
+        ("Connection closed by peer [127.0.0.1]:1234", CollectiveTimeoutError),
+        ("Write error [127.0.0.1]:1234: Broken pipe", CollectiveTimeoutError),
+        ("Inplace update to inference tensor outside InferenceMode", CollectiveError),
+    ],
+)
+def test_peer_trouble_reads_as_a_timeout_and_local_failures_do_not(message, error) -> None:
+    comm = Comm.__new__(Comm)  # only what wait() reads
+    comm._timed_wait, comm.timeout, comm.step = True, datetime.timedelta(seconds=1), lambda: 3
+    with pytest.raises(error, match=r"all-gather of 'w' \(step 3\)"):
+        comm.wait(Pending(_FailingWork(message), "all-gather of 'w' (step {step})"))
 
 
 def test_chain_error_type_is_exported() -> None:

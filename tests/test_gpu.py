@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import run_ranks
 from test_parity import CASES, _model, _train
-from test_precision import BF16, FP8_GEMM, _train_gpt
+from test_precision import BF16, FP8_GEMM, _train_gpt, packed_slots
 
 import gtp_wrap
 from gtp_wrap import GTPWrap, fp8, fp8_triton
@@ -81,18 +81,8 @@ def test_fp8_gemm_on_hopper_trains_like_bf16() -> None:
 def test_fused_fp8_dequantization_is_exact(numel: int, block: int) -> None:
     """The Triton kernel gives each element its FP8 value times its block's fp32 scale, rounded
     once to bf16: bitwise what fp32 arithmetic gives (padded and row-scaled slots included)."""
-    torch.manual_seed(0)
-    q = fp8.padded(numel, block)
-    slots, expected = [], []
-    for _ in range(2):  # two ranks' packed slots, back to back as an all-gather leaves them
-        x = torch.zeros(q)
-        x[:numel] = torch.randn(numel) * 3
-        payload, scale = fp8.quantize(x.view(-1, block))
-        slots.append(torch.cat([payload.reshape(-1), scale.view(torch.uint8)]))
-        values = payload.view(fp8.fp8_dtype()).float().view(-1, block) * scale[:, None]
-        expected.append(values.reshape(-1)[:numel].bfloat16())
-    packed = torch.cat(slots).cuda()
+    packed, expected = packed_slots(numel, block)
     out = torch.empty(2 * numel, dtype=torch.bfloat16, device="cuda")
-    assert fp8_triton.available(out)
-    fp8.dequantize_into(packed, 2, numel, out, block)
-    assert torch.equal(out.cpu(), torch.cat(expected))
+    assert fp8_triton.available(out, numel)
+    fp8.dequantize_into(packed.cuda(), 2, numel, out, block)
+    assert torch.equal(out.cpu(), expected)

@@ -129,6 +129,31 @@ def test_fp8_round_trip_is_within_the_e4m3_bound() -> None:
     assert scale[4] < scale[3] / 100  # the outlier coarsens only its own block
 
 
+def packed_slots(numel: int, block: int, ranks: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed FP8 slots of `ranks` random shards, back to back as an all-gather leaves them,
+    and their dequantization in bf16: FP8 value times fp32 scale, rounded once."""
+    torch.manual_seed(0)
+    q = fp8.padded(numel, block)
+    slots, expected = [], []
+    for _ in range(ranks):
+        x = torch.zeros(q)
+        x[:numel] = torch.randn(numel) * 3
+        payload, scale = fp8.quantize(x.view(-1, block))
+        slots.append(torch.cat([payload.reshape(-1), scale.view(torch.uint8)]))
+        values = payload.view(fp8.fp8_dtype()).float().view(-1, block) * scale[:, None]
+        expected.append(values.reshape(-1)[:numel].bfloat16())
+    return torch.cat(slots), torch.cat(expected)
+
+
+@pytest.mark.parametrize("numel, block", [(128 * 64, 128), (1000, 128), (2048 * 4, 2048)])
+def test_fp8_dequantization_rounds_once(numel: int, block: int) -> None:
+    """The CPU path gives the values the fused GPU kernel gives (tests/test_gpu.py)."""
+    packed, expected = packed_slots(numel, block)
+    out = torch.empty(2 * numel, dtype=torch.bfloat16)
+    fp8.dequantize_into(packed, 2, numel, out, block)
+    assert torch.equal(out, expected)
+
+
 def test_fp8_pads_small_weights_instead_of_rejecting_them() -> None:
     numel = 37  # far below one block
     assert fp8.padded(numel) == fp8.BLOCK and fp8.packed_bytes(numel) == fp8.BLOCK + 4
