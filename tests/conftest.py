@@ -39,8 +39,8 @@ def _entry(
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(store_dir, f"result{rank}.pt"))
         if getattr(fn, "leaves_group_broken", False):
-            # A gloo group whose collective timed out can abort in teardown (std::terminate on
-            # a worker thread still inside that collective): the result is saved, so leave.
+            # A gloo group whose collective timed out or failed can abort in teardown
+            # (std::terminate on a worker thread still inside it): the result is saved, so leave.
             os._exit(0)
     finally:
         release_graphs()  # a live CUDA graph keeps NCCL from shutting down
