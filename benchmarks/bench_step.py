@@ -21,7 +21,6 @@ and peak memory; the table adds GTP/floor and GTP/FSDP2. Results go to JSON and 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -88,6 +88,33 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=capturable), None
 
 
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, autocast: torch.dtype | None):
+    """The step every method and script times: forward (under `autocast` if given), fp32 loss,
+    backward, optimizer step. No logits outlive the backward."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.autocast(x.device.type, autocast, enabled=autocast is not None):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        optim.step()
+
+    return step
+
+
+def clear_grads(method: str, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    """Between steps; the floor's optimizer shard keeps its (zero) gradient so it is stepped."""
+    (model if method == "floor" else optim).zero_grad(set_to_none=True)
+
+
+def common_args(ap: argparse.ArgumentParser, out: Path, policy_example: str) -> None:
+    """The options the benchmark scripts share (`--gtp-policy` parses to FIELD=VALUE pairs)."""
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--gtp-policy", nargs="*", type=_field, default=[], metavar="FIELD=VALUE",
+                    help=f"GTPPolicy overrides of the gtp methods: {policy_example}")  # fmt: skip
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -108,36 +135,27 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
     idx = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(device)
     x, y = idx[:, :-1], idx[:, 1:]
 
-    def step(x: torch.Tensor, y: torch.Tensor, model=model, optim=optim) -> None:
-        ctx = torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext()
-        with ctx:  # the loss is fp32 either way; no logits outlive the backward
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        optim.step()
-
+    step = train_step(model, optim, autocast)
     run = gtp_wrap.graph_step(model, step, warmup=warmup) if method == "gtp_graph" else step
     times = []
     for i in range(warmup + steps):
         _sync(device)
         began = time.perf_counter()
         run(x, y)
-        if method != "floor":
-            optim.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
+        clear_grads(method, model, optim)
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - began)
         elif i == warmup - 1 and method.startswith("gtp"):
             gtp_wrap.reset_stats(model)  # count the timed (steady-state) steps only
-    step = statistics.median(times)
+    median = statistics.median(times)
     tokens = batch * seq
     flops = 6 * cfg.n_params * tokens + 12 * cfg.layers * cfg.d * seq * tokens
     out = {
         "method": method,
-        "step_ms": 1e3 * step,
-        "tokens_per_s_per_gpu": tokens / step,
-        "mfu": flops / step / PEAK_BF16_FLOPS,
+        "step_ms": 1e3 * median,
+        "tokens_per_s_per_gpu": tokens / median,
+        "mfu": flops / median / PEAK_BF16_FLOPS,
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
         if device.type == "cuda"
         else None,
@@ -216,18 +234,14 @@ def chart(rows: list[dict], path: Path) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 gloo ranks, tiny model")
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--warmup", type=int, default=3)
+    common_args(ap, Path("benchmarks/results"), "prefetch_depth=2")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS)
     ap.add_argument("--plan", default="1.36B:1,4,8;125M:1,8",
                     help="model:batches;... (models: 1.36B, 125M, smoke)")  # fmt: skip
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--gtp-policy", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="GTPPolicy overrides of the gtp methods: prefetch_depth=2")  # fmt: skip
     args = ap.parse_args(argv)
-    args.gtp_policy = dict(_field(item) for item in args.gtp_policy)
+    args.gtp_policy = dict(args.gtp_policy)
     if args.smoke:
         args.seq, args.warmup, args.steps, args.plan, args.rounds = 32, 1, 2, "smoke:2", 1
     args.plan = [

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gtp_wrap import fp8
+from gtp_wrap import fp8, fp8_triton
 
 SHAPES = {"attention q/k/v/o": (2048, 2048), "mlp gate/up/down": (5632, 2048),
           "embedding / head": (32000, 2048)}  # fmt: skip
@@ -51,8 +51,10 @@ def _time_weight(name: str, r: int, c: int, world: int) -> dict:
     def gather_fp8() -> None:
         dist.all_gather_into_tensor(gathered, packed)
 
+    fused = fp8_triton.available(full.device, slot)
+
     def dequantize() -> None:
-        fp8.dequantize_into(gathered, world, slot, full)
+        fp8.dequantize_into(gathered, world, slot, full, fused=fused)
 
     return {
         "weight": name, "shape": [r, c], "bf16_bytes": full.numel() * 2,

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from bench_step import MODELS, _build, _field
+from bench_step import MODELS, _build, clear_grads, common_args, train_step
 
 from gtp_wrap.app.launch import launch, under_torchrun
 
@@ -84,13 +83,11 @@ def _rank(device: torch.device, args: argparse.Namespace) -> None:
     model, optim, autocast = _build(args.method, cfg, device, world, args.gtp_policy)
     g = torch.Generator().manual_seed(dist.get_rank())
     idx = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g).to(device)
+    train = train_step(model, optim, autocast)
 
     def step() -> None:
-        with torch.autocast("cuda", autocast, enabled=autocast is not None):
-            loss = F.cross_entropy(model(idx[:, :-1]).float().flatten(0, 1), idx[:, 1:].flatten())
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        train(idx[:, :-1], idx[:, 1:])
+        clear_grads(args.method, model, optim)
 
     for _ in range(args.warmup):
         step()
@@ -126,14 +123,10 @@ def main() -> None:
     ap.add_argument("--method", default="gtp", choices=["ddp", "fsdp2", "gtp", "gtp_fp8"])
     ap.add_argument("--model", default="1.36B", choices=list(MODELS))
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--gtp-policy", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="GTPPolicy overrides: compute_copy=false")  # fmt: skip
+    common_args(ap, Path("benchmarks/results"), "compute_copy=true")
     args = ap.parse_args()
-    args.gtp_policy = dict(_field(item) for item in args.gtp_policy)
+    args.gtp_policy = dict(args.gtp_policy)
     if not under_torchrun() or not torch.cuda.is_available():
         sys.exit("run under torchrun on GPUs (see the module docstring)")
     launch(_rank, 2, args)

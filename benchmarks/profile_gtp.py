@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from bench_step import METHODS, MODELS, _build, _field
+from bench_step import METHODS, MODELS, _build, clear_grads, common_args, train_step
 
 import gtp_wrap
 from gtp_wrap.engine import GTPEngine
@@ -134,16 +133,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="1.36B", choices=sorted(MODELS))
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=Path("prof"))
     ap.add_argument("--cprofile", action="store_true", help="also write a host-side cProfile")
     ap.add_argument("--method", default="gtp", choices=METHODS)
-    ap.add_argument("--gtp-policy", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="GTPPolicy overrides: gather_dtype=fp8")  # fmt: skip
+    common_args(ap, Path("prof"), "gather_dtype=fp8")
     args = ap.parse_args()
-    args.gtp_policy = dict(_field(item) for item in args.gtp_policy)
+    args.gtp_policy = dict(args.gtp_policy)
 
     local = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local)
@@ -156,22 +151,15 @@ def main() -> None:
     if args.method == "gtp_graph" and args.warmup < 3:
         ap.error("gtp_graph needs --warmup >= 3 (two eager steps, then the capture)")
     timer = HookTimer() if gtp else None
-    idx = torch.randint(0, cfg.vocab, (args.batch, args.seq), device="cuda")
-
-    def train_step() -> None:
-        with torch.autocast("cuda", autocast, enabled=autocast is not None):
-            loss = F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten())
-        loss.backward()
-        opt.step()
-
+    idx = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), device="cuda")
+    train = train_step(model, opt, autocast)
     # A graphed step is captured in the last warm-up step, so the timed steps replay.
     graphed = args.method == "gtp_graph"
-    run = gtp_wrap.graph_step(model, train_step, warmup=args.warmup - 1) if graphed else train_step
+    run = gtp_wrap.graph_step(model, train, warmup=args.warmup - 1) if graphed else train
 
     def step() -> None:
-        run()
-        # As in bench_step: the floor's optimizer shard keeps its (zero) gradient.
-        (model if args.method == "floor" else opt).zero_grad(set_to_none=True)
+        run(idx[:, :-1], idx[:, 1:])
+        clear_grads(args.method, model, opt)
 
     for _ in range(args.warmup):
         step()

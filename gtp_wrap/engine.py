@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from . import fp8
+from . import fp8, fp8_triton
 from .buffers import GatherBufferPool
 from .chain import Gather, PassKind, PassState, first_difference
 from .comm import Comm, Pending, stable_hash
@@ -143,13 +143,17 @@ class GTPEngine:
         # packed FP8 slots instead, and a group of one, which gathers nothing, keeps the copy
         # its local uses read.
         keep_copy = not self.fp8 and (policy.compute_copy or mesh.gtp_size == 1)
-        self._cast_on_gather = not self.fp8 and not keep_copy and self.param_dtype is not None
+        cast = not self.fp8 and not keep_copy and self.param_dtype is not None
+        self._cast_on_gather = [cast and lay.dtype != self.param_dtype for lay in self.layouts]
         self.storage = FlatStorage(
             self.layouts, self.device, self.param_dtype if keep_copy else None
         )
         if self.fp8:
             # One scale per row for the weights the FP8 GEMM takes (see fp8.py).
             self._fp8_gemm = [self.fp8_matmul and fp8.fits_gemm(lay) for lay in self.layouts]
+            self._fused_dequant = [
+                fp8_triton.available(self.device, lay.slot_numel) for lay in self.layouts
+            ]
             self.storage.enable_fp8(self.layouts, self._fp8_gemm)
             if self.fp8_matmul:
                 fp8.warn_unfit(self.layouts, self._fp8_gemm)
@@ -502,7 +506,7 @@ class GTPEngine:
         if self.fp8:  # the packed FP8 slots; dequantized when the gather is consumed
             send = self.storage.packed_slots[lay.index]
             buf = self.pool.reserve(lay.world * send.numel(), torch.uint8)
-        elif self._cast_on_gather and lay.dtype != self.param_dtype:
+        elif self._cast_on_gather[lay.index]:
             # In place: this rank's part of the output is the input (NCCL and gloo allow it).
             buf = self.pool.reserve(lay.gathered_numel, self.param_dtype)
             send = buf.tensor[lay.rank * lay.slot_numel : (lay.rank + 1) * lay.slot_numel]
@@ -531,7 +535,10 @@ class GTPEngine:
             out = self.pool.reserve(lay.gathered_numel, self.param_dtype or lay.dtype)
             out.owner = lay
             block = self.storage.fp8_blocks[lay.index]
-            fp8.dequantize_into(buf.tensor, lay.world, lay.slot_numel, out.tensor, block)
+            fp8.dequantize_into(
+                buf.tensor, lay.world, lay.slot_numel, out.tensor, block,
+                fused=self._fused_dequant[lay.index],
+            )  # fmt: skip
             self.pool.hand_out(buf)
             buf = out
         self.pool.hand_out(buf)

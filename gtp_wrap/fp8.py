@@ -62,12 +62,18 @@ def quantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_into(
-    packed: torch.Tensor, ranks: int, numel: int, out: torch.Tensor, block: int = BLOCK
+    packed: torch.Tensor,
+    ranks: int,
+    numel: int,
+    out: torch.Tensor,
+    block: int = BLOCK,
+    fused: bool = False,
 ) -> None:
-    """Write the dequantized slots of `ranks` gathered packed slots into `out` (ranks * numel)."""
+    """Write the dequantized slots of `ranks` gathered packed slots into `out` (ranks * numel,
+    contiguous); `fused` runs the Triton kernel where `fp8_triton.available` said it can."""
     q = padded(numel, block)
     rows = packed.view(ranks, packed_bytes(numel, block))
-    if fp8_triton.available(out, numel):
+    if fused:
         fp8_triton.dequantize_into(rows, rows[:, q:].view(torch.float32), out, numel, block)
         return
     # FP8 value (exact in out's dtype) times its fp32 scale, computed in fp32 and rounded

@@ -25,12 +25,13 @@ _ELEMS = 4096  # output elements per program
 _MAX_GRID_Y = 65535  # CUDA's limit on the second grid axis, which counts ELEMS-wide chunks
 
 
-def available(out: torch.Tensor, numel: int) -> bool:
+def available(device: torch.device, numel: int) -> bool:
+    """Whether slots of `numel` elements gathered on `device` can be dequantized here (decided
+    once per weight, at wrap time)."""
     return (
         triton is not None
-        and out.is_cuda
-        and out.is_contiguous()
-        and _fp8_capable(out.device.index)
+        and device.type == "cuda"
+        and _fp8_capable(device.index)
         and triton.cdiv(numel, _ELEMS) <= _MAX_GRID_Y
     )
 
@@ -59,8 +60,9 @@ if triton is not None:
 def dequantize_into(
     rows: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, numel: int, block: int
 ) -> None:
-    """`out` (ranks * numel) from gathered packed slots: `rows` (ranks, packed bytes) uint8 with
-    the payload first, `scales` (ranks, blocks) fp32, a view into the same rows."""
+    """`out` (ranks * numel, contiguous) from gathered packed slots: `rows` (ranks, packed
+    bytes) uint8 with the payload first, `scales` (ranks, blocks) fp32, a view into the same
+    rows."""
     ranks = rows.shape[0]
     grid = (ranks, triton.cdiv(numel, _ELEMS))
     with torch.cuda.device(out.device):

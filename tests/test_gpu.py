@@ -83,6 +83,6 @@ def test_fused_fp8_dequantization_is_exact(numel: int, block: int) -> None:
     once to bf16: bitwise what fp32 arithmetic gives (padded and row-scaled slots included)."""
     packed, expected = packed_slots(numel, block)
     out = torch.empty(2 * numel, dtype=torch.bfloat16, device="cuda")
-    assert fp8_triton.available(out, numel)
-    fp8.dequantize_into(packed.cuda(), 2, numel, out, block)
+    assert fp8_triton.available(out.device, numel)
+    fp8.dequantize_into(packed.cuda(), 2, numel, out, block, fused=True)
     assert torch.equal(out.cpu(), expected)
