@@ -1,8 +1,10 @@
 """Prefetch chains: the recorded order in which a pass gathers its weights.
 
 A pass (a forward with grad, a forward without grad, a backward) replays the chain its kind
-recorded last time. While the uses match the chain, each use finds its weight already gathered
-and issues the gather of the next; only the chain head blocks. A use that does not match marks
+recorded last time. The chain is cut into groups of consecutive uses (see `Chain`); a group's
+gathers are issued together as one collective. While the uses match the chain, each use finds
+its weight already gathered, and the first use of a group issues the next group; only the chain
+head blocks. A use that does not match marks
 the pass diverged: the gathers in flight are drained (every rank issued the same ones, because
 they followed the same chain) and the pass gathers synchronously and records anew.
 """
@@ -34,14 +36,48 @@ class Gather:
     position: int | None
 
 
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """A recorded order of uses (layout indices), cut into groups gathered as one collective.
+
+    Note: on NVLink a collective of a few MB is latency-bound: one transformer layer's seven
+    weights take 0.37 ms gathered one by one and 0.25 ms as one grouped launch, which moves
+    them as fast as one flat buffer of the same bytes would, and costs one launch of host time
+    instead of seven (2xH200, `benchmarks/collectives.py`). So consecutive uses are grouped
+    until their full weights reach `group_numel` elements; each weight keeps its own buffer.
+    """
+
+    order: tuple[int, ...]
+    group_of: tuple[int, ...]  # per position: the index of its group
+    group_stop: tuple[int, ...]  # per group: the position after its last use
+
+    @classmethod
+    def build(cls, order: list[int], numels: list[int], group_numel: int) -> Chain:
+        """Cut `order` greedily: a group closes once its weights reach `group_numel` elements
+        (0: one use per group)."""
+        group_of, group_stop, size = [], [], 0
+        for position, index in enumerate(order):
+            group_of.append(len(group_stop))
+            size += numels[index]
+            if size >= group_numel or position == len(order) - 1:
+                group_stop.append(position + 1)
+                size = 0
+        return cls(tuple(order), tuple(group_of), tuple(group_stop))
+
+    def rest_of_group(self, position: int) -> range:
+        """The positions from `position` to the end of its group."""
+        return range(position, self.group_stop[self.group_of[position]])
+
+
 @dataclasses.dataclass
 class PassState:
     """The progress of one pass along its chain."""
 
     kind: PassKind
     scope: str | None  # None: the model's own pass; a name: a graphed region's
-    chain: tuple[int, ...] | None
-    cursor: int = 0
+    chain: Chain | None
+    cursor: int = 0  # the chain position of the next use
+    issued: int = 0  # chain positions whose gathers have been issued
     diverged: bool = False
     recorded: list[int] = dataclasses.field(default_factory=list)
     inflight: collections.deque[Gather] = dataclasses.field(default_factory=collections.deque)
@@ -52,20 +88,23 @@ class PassState:
         return (
             self.chain is not None
             and not self.diverged
-            and self.cursor < len(self.chain)
-            and self.chain[self.cursor] == index
+            and self.cursor < len(self.chain.order)
+            and self.chain.order[self.cursor] == index
         )
 
-    def next_to_prefetch(self, depth: int) -> int | None:
-        """The chain position to prefetch next, if fewer than `depth` gathers are in flight."""
-        if self.chain is None or self.diverged or len(self.inflight) >= depth:
+    def next_to_prefetch(self, depth: int) -> range | None:
+        """The next group to issue, if fewer than `depth` groups are in flight beyond the group
+        of the use just made."""
+        if self.chain is None or self.diverged or self.issued >= len(self.chain.order):
             return None
-        position = self.cursor + len(self.inflight)
-        return position if position < len(self.chain) else None
+        group_of = self.chain.group_of
+        if group_of[self.issued] - group_of[self.cursor - 1] > depth:
+            return None
+        return self.chain.rest_of_group(self.issued)
 
     def followed_chain(self) -> bool:
         """Whether the pass used exactly the recorded chain (so nothing needs recording)."""
-        return self.chain is not None and not self.diverged and self.cursor == len(self.chain)
+        return self.chain is not None and not self.diverged and self.cursor == len(self.chain.order)
 
 
 def first_difference(chains: list[list[int]]) -> tuple[int, list[int | None]] | None:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from . import fp8, fp8_triton
 from .buffers import GatherBufferPool
-from .chain import Gather, PassKind, PassState, first_difference
+from .chain import Chain, Gather, PassKind, PassState, first_difference
 from .comm import Comm, Pending, stable_hash
 from .errors import ChainMismatchError, GraphCaptureError, PolicyError, WrapError
 from .mesh import GTPMesh
@@ -72,13 +72,24 @@ class SavedWeightView:
 
 
 @dataclasses.dataclass
-class PendingReduce:
-    """A weight gradient's reduce-scatter in flight, finalized one backward step later."""
+class PendingGrad:
+    """One weight gradient in a reduce-scatter group."""
 
     layout: ShardLayout
     out: torch.Tensor  # the slot-sized result: the new gradient itself, or a staging buffer
     direct: bool  # whether `out` becomes the parameter's grad (it had none yet)
-    pending: Pending
+
+
+@dataclasses.dataclass
+class ReduceGroup:
+    """Weight gradients reduce-scattered as one collective, the way gathers are grouped along
+    the chain: collected until they reach `group_numel` elements, then issued, and finalized
+    when the next group is issued (or at the end of backward)."""
+
+    grads: list[PendingGrad] = dataclasses.field(default_factory=list)
+    fulls: list[torch.Tensor] = dataclasses.field(default_factory=list)  # inputs, until issued
+    numel: int = 0
+    pending: Pending | None = None
 
 
 class GTPEngine:
@@ -107,11 +118,12 @@ class GTPEngine:
         self._passes: list[PassState] = []
         # Chains per pass kind and scope: None for the model's own passes, a name for each
         # CUDA-graphed region, whose passes run standalone at capture and never mix with ours.
-        self._chains: dict[tuple[PassKind, str | None], tuple[int, ...]] = {}
+        self._chains: dict[tuple[PassKind, str | None], Chain] = {}
         self._scope: str | None = None
         # Weights gathered inside graphed regions, by layout index: the region's name.
         self.region_weights: dict[int, str] = {}
-        self._pending_reduce: PendingReduce | None = None
+        self._collecting = ReduceGroup()  # gradients not yet issued
+        self._reducing: ReduceGroup | None = None  # issued, not yet finalized
 
         self._check_ranks_agree(plans)
         if policy.gather_dtype is not None:
@@ -307,7 +319,7 @@ class GTPEngine:
         skipped the end-of-backward callback, and a pass left open would make every later op
         (the optimizer's too) a use."""
         if self._passes and self._passes[-1].kind is PassKind.BACKWARD:
-            self._pending_reduce = None
+            self._collecting, self._reducing = ReduceGroup(), None
             self._end_pass(failed=True)
 
     def _begin_pass(self, kind: PassKind) -> PassState:
@@ -345,7 +357,10 @@ class GTPEngine:
                 "collectively, so every rank must run the same weights in the same order "
                 "(make data-dependent branches agree across ranks)"
             )
-        self._chains[(state.kind, state.scope)] = tuple(state.recorded)
+        numels = [self.layouts[i].gathered_numel for i in range(len(self.layouts))]
+        self._chains[(state.kind, state.scope)] = Chain.build(
+            state.recorded, numels, self.policy.group_numel
+        )
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
         self._close_abandoned_backward()
@@ -381,9 +396,10 @@ class GTPEngine:
     def _end_backward(self) -> None:
         model_pass = self._passes[-1].scope is None
         with torch._C.DisableTorchFunctionSubclass():
-            if self._pending_reduce is not None:
-                self._finalize(self._pending_reduce)
-                self._pending_reduce = None
+            self._issue_reduce()
+            if self._reducing is not None:
+                self._finalize(self._reducing)
+                self._reducing = None
             if model_pass and self.sync_replicated and self.mesh.world_size > 1:
                 self.replicated.finish()
         self._end_pass()
@@ -415,8 +431,8 @@ class GTPEngine:
         for state in self._passes:
             for gather in state.inflight:
                 self.comm.wait(gather.pending)
-        if self._pending_reduce is not None:
-            self.comm.wait(self._pending_reduce.pending)
+        if self._reducing is not None and self._reducing.pending is not None:
+            self.comm.wait(self._reducing.pending)
         for bucket in self.replicated.buckets:
             if bucket.pending is not None:
                 self.comm.wait(bucket.pending)
@@ -488,43 +504,65 @@ class GTPEngine:
         if state.expects(lay.index):
             position = state.cursor
             state.cursor += 1
-            if state.inflight and state.inflight[0].position == position:
-                gather, blocking = state.inflight.popleft(), False
-            else:
-                gather, blocking = self._issue(lay, state, position), True
+            blocking = state.issued <= position  # the chain head: its group is issued now
+            if blocking:
+                self._issue_group(state, state.chain.rest_of_group(position))  # type: ignore[union-attr]
+            gather = state.inflight.popleft()
             self._prefetch_ahead(state)
         else:
             if state.chain is not None and not state.diverged:
                 state.diverged = True
                 self._drain(state)
-            gather, blocking = self._issue(lay, state, None), True
+            (gather,) = self._issue(state, [lay], None)
+            blocking = True
         state.recorded.append(lay.index)
         return self._complete(gather, state, blocking, packed)
 
-    def _issue(self, lay: ShardLayout, state: PassState, position: int | None) -> Gather:
-        what = self._gather_what[state.kind][lay.index]
-        if self.fp8:  # the packed FP8 slots; dequantized when the gather is consumed
-            send = self.storage.packed_slots[lay.index]
-            buf = self.pool.reserve(lay.world * send.numel(), torch.uint8)
-        elif self._cast_on_gather[lay.index]:
-            # In place: this rank's part of the output is the input (NCCL and gloo allow it).
-            buf = self.pool.reserve(lay.gathered_numel, self.param_dtype)
-            send = buf.tensor[lay.rank * lay.slot_numel : (lay.rank + 1) * lay.slot_numel]
-            send.copy_(self._slots[lay.index])
-        else:
-            send = self._slots[lay.index]
-            buf = self.pool.reserve(lay.gathered_numel, send.dtype)
-        buf.owner = lay
-        pending = self.comm.all_gather(buf.tensor, send, what)
-        self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.gather_bytes())
-        self.stats.gathers += 1
-        self.stats.bytes_gathered += buf.nbytes
-        return Gather(lay, buf, pending, position)
-
     def _prefetch_ahead(self, state: PassState) -> None:
-        while (position := state.next_to_prefetch(self.policy.prefetch_depth)) is not None:
-            lay = self.layouts[state.chain[position]]  # type: ignore[index]
-            state.inflight.append(self._issue(lay, state, position))
+        while (group := state.next_to_prefetch(self.policy.prefetch_depth)) is not None:
+            self._issue_group(state, group)
+
+    def _issue_group(self, state: PassState, positions: range) -> None:
+        """Issue the gathers of these consecutive chain positions as one collective."""
+        order = state.chain.order  # type: ignore[union-attr]
+        lays = [self.layouts[order[p]] for p in positions]
+        state.inflight.extend(self._issue(state, lays, positions.start))
+        state.issued = positions.stop
+
+    def _issue(self, state: PassState, lays: list[ShardLayout], first: int | None) -> list[Gather]:
+        """Gather `lays` in one collective, for chain positions `first`, `first + 1`, ...
+        (None: off the chain)."""
+        bufs, sends = [], []
+        for lay in lays:
+            if self.fp8:  # the packed FP8 slots; dequantized when the gather is consumed
+                send = self.storage.packed_slots[lay.index]
+                buf = self.pool.reserve(lay.world * send.numel(), torch.uint8)
+            elif self._cast_on_gather[lay.index]:
+                # In place: this rank's part of the output is the input (NCCL and gloo allow it).
+                buf = self.pool.reserve(lay.gathered_numel, self.param_dtype)
+                send = buf.tensor[lay.rank * lay.slot_numel : (lay.rank + 1) * lay.slot_numel]
+                send.copy_(self._slots[lay.index])
+            else:
+                send = self._slots[lay.index]
+                buf = self.pool.reserve(lay.gathered_numel, send.dtype)
+            buf.owner = lay
+            bufs.append(buf)
+            sends.append(send)
+            self.stats.bytes_gathered += buf.nbytes
+        if len(lays) == 1:
+            what = self._gather_what[state.kind][lays[0].index]
+        else:
+            what = (
+                f"all-gather of '{lays[0].fqn}' ... '{lays[-1].fqn}' ({len(lays)} weights, "
+                f"{state.kind.value} pass, step {{step}})"
+            )
+        pending = self.comm.all_gather([b.tensor for b in bufs], sends, what)
+        self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.gather_bytes())
+        self.stats.gathers += len(lays)
+        return [
+            Gather(lay, buf, pending, None if first is None else first + i)
+            for i, (lay, buf) in enumerate(zip(lays, bufs))
+        ]
 
     def _complete(
         self, gather: Gather, state: PassState, blocking: bool, packed: bool = False
@@ -581,7 +619,7 @@ class GTPEngine:
     # ---- reduce-scatter and finalize ----------------------------------------------------
 
     def reduce_grad(self, lay: ShardLayout, grad: torch.Tensor) -> None:
-        """Reduce-scatter one use's full weight gradient; finalize the previous one."""
+        """Collect one use's full weight gradient for its group's reduce-scatter."""
         self._ensure_backward()
         if self.region_weights and self._scope is None and lay.index in self.region_weights:
             raise GraphCaptureError(
@@ -591,27 +629,48 @@ class GTPEngine:
             )
         with torch._C.DisableTorchFunctionSubclass():
             param = self.params[lay.index]
-            prev = self._pending_reduce
             dtype = self.reduce_dtype or grad.dtype
-            direct = (
-                dtype == lay.dtype
-                and param.grad is None
-                and (prev is None or prev.layout is not lay)
-            )
+            # A weight used twice has a second gradient; only the first may become `.grad`.
+            direct = dtype == lay.dtype and param.grad is None and not self._awaits_grad(lay)
             out = (
                 torch.empty(lay.slot_numel, dtype=dtype, device=self.device)
                 if direct
                 else self._take_staging(lay, dtype)
             )
             full = lay.padded_rows_view(grad.to(dtype))
-            what = self._reduce_what[lay.index]
-            self._pending_reduce = PendingReduce(
-                lay, out, direct, self.comm.reduce_scatter(out, full, what)
-            )
-            self.stats.reduce_scatters += 1
+            group = self._collecting
+            group.grads.append(PendingGrad(lay, out, direct))
+            group.fulls.append(full)
+            group.numel += full.numel()
             self.stats.bytes_reduced += full.numel() * full.element_size()
-            if prev is not None:
-                self._finalize(prev)
+            if group.numel >= self.policy.group_numel:
+                self._issue_reduce()
+
+    def _awaits_grad(self, lay: ShardLayout) -> bool:
+        """Whether a gradient of `lay` is collected or reducing, not yet in its `.grad`."""
+        groups = (self._collecting, self._reducing) if self._reducing else (self._collecting,)
+        return any(g.layout is lay for group in groups for g in group.grads)
+
+    def _issue_reduce(self) -> None:
+        """Reduce-scatter the collected gradients as one collective; finalize the previous
+        group, whose collective has had this group's backward compute to run under."""
+        group, self._collecting = self._collecting, ReduceGroup()
+        if not group.grads:
+            return
+        lays = [g.layout for g in group.grads]
+        if len(lays) == 1:
+            what = self._reduce_what[lays[0].index]
+        else:
+            what = (
+                f"reduce-scatter of the gradients of '{lays[0].fqn}' ... '{lays[-1].fqn}' "
+                f"({len(lays)} weights, step {{step}})"
+            )
+        group.pending = self.comm.reduce_scatter([g.out for g in group.grads], group.fulls, what)
+        group.fulls = []  # the collective holds its inputs until it completes
+        self.stats.reduce_scatters += len(lays)
+        prev, self._reducing = self._reducing, group
+        if prev is not None:
+            self._finalize(prev)
 
     def _take_staging(self, lay: ShardLayout, dtype: torch.dtype) -> torch.Tensor:
         free = self._staging.setdefault((lay.slot_numel, dtype), [])
@@ -619,21 +678,23 @@ class GTPEngine:
             return free.pop()
         return torch.empty(lay.slot_numel, dtype=dtype, device=self.device)
 
-    def _finalize(self, pr: PendingReduce) -> None:
-        """Complete a reduce-scatter, reduce over dp, and land it in the shard's grad."""
-        lay = pr.layout
-        self.comm.wait(pr.pending)
-        self.comm.wait(self.comm.all_reduce(pr.out, "dp", self._dp_what[lay.index]))
-        param = self.params[lay.index]
-        local = lay.local_of_slot(pr.out)
-        if pr.direct:
-            param.grad = local
-            return
-        if param.grad is None:
-            param.grad = local.to(lay.dtype, copy=True)
-        else:
-            param.grad.add_(local)
-        self._staging[(lay.slot_numel, pr.out.dtype)].append(pr.out)
+    def _finalize(self, group: ReduceGroup) -> None:
+        """Complete a group's reduce-scatter, reduce over dp, and land each gradient in its
+        shard's grad."""
+        self.comm.wait(group.pending)  # type: ignore[arg-type]
+        for g in group.grads:
+            lay = g.layout
+            self.comm.wait(self.comm.all_reduce(g.out, "dp", self._dp_what[lay.index]))
+            param = self.params[lay.index]
+            local = lay.local_of_slot(g.out)
+            if g.direct:
+                param.grad = local
+                continue
+            if param.grad is None:
+                param.grad = local.to(lay.dtype, copy=True)
+            else:
+                param.grad.add_(local)
+            self._staging[(lay.slot_numel, g.out.dtype)].append(g.out)
 
     # ---- helpers for the public API -----------------------------------------------------
 

@@ -402,8 +402,9 @@ class _Region:
     def _claim_weights(self) -> None:
         """Register the weights this region gathers: their gradients must come from its
         replays alone (the engine refuses a reduce of one outside the region)."""
-        used = set(self.engine._chains.get((PassKind.FORWARD, self.name), ()))
-        used |= set(self.engine._chains.get((PassKind.BACKWARD, self.name), ()))
+        kinds = (PassKind.FORWARD, PassKind.BACKWARD)
+        chains = [self.engine._chains.get((kind, self.name)) for kind in kinds]
+        used = {index for chain in chains if chain is not None for index in chain.order}
         for index in sorted(used):
             other = self.engine.region_weights.get(index)
             if other is not None:

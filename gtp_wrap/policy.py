@@ -91,7 +91,13 @@ class GTPPolicy:
         rules: tried in order; the first rule matching a parameter decides it.
         min_shard_numel: parameters smaller than this stay replicated whatever the rules say:
             a collective costs ~150 us on NVLink below 1 MB, so tiny weights are cheaper to copy.
-        prefetch_depth: how many gathers along the chain are in flight ahead of the current use.
+        prefetch_depth: how many groups of gathers along the chain are in flight ahead of the
+            current use's group.
+        group_numel: consecutive uses along a chain are gathered as one collective until their
+            full weights reach this many elements, and weight gradients are reduce-scattered
+            the same way; 0 issues one collective per weight. Collectives of a few MB are
+            latency-bound, so grouping moves the same bytes sooner and launches fewer (see the
+            Note in chain.py); memory held by gathered weights grows with the group.
         pad_for_alignment: start every shard at a 128-byte boundary of the flat storage, so
             collectives read aligned memory.
         loss_reduction: "mean" averages gradients over all data-parallel ranks (like DDP);
@@ -125,6 +131,7 @@ class GTPPolicy:
     )
     min_shard_numel: int = 1 << 18
     prefetch_depth: int = 1
+    group_numel: int = 1 << 25
     pad_for_alignment: bool = True
     loss_reduction: Literal["mean", "sum"] = "mean"
     collective_timeout_s: float = 300.0
@@ -138,6 +145,7 @@ class GTPPolicy:
         for name, kind in (
             ("min_shard_numel", int),
             ("prefetch_depth", int),
+            ("group_numel", int),
             ("pad_for_alignment", bool),
             ("fp8_matmul", bool),
             ("compute_copy", bool),
@@ -166,6 +174,8 @@ class GTPPolicy:
             raise PolicyError(f"min_shard_numel must be >= 0, got {self.min_shard_numel}")
         if self.prefetch_depth < 0:
             raise PolicyError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.group_numel < 0:
+            raise PolicyError(f"group_numel must be >= 0, got {self.group_numel}")
         if self.loss_reduction not in ("mean", "sum"):
             raise PolicyError(
                 f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}"

@@ -144,7 +144,7 @@ def _failed_collective(rank: int, world: int) -> str:
     engine = engine_of(GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0}))
     with torch.inference_mode():  # gloo cannot write into it outside inference mode
         out = torch.empty(16)
-    pending = engine.comm.all_gather(out, torch.ones(8), "all-gather of 'probe' (step {step})")
+    pending = engine.comm.all_gather([out], [torch.ones(8)], "all-gather of 'probe' (step {step})")
     got = _caught(lambda: engine.comm.wait(pending))
     engine.comm.exchange("done", [])  # neither rank tears down while its peer still waits
     return got
@@ -181,7 +181,7 @@ def test_peer_trouble_reads_as_a_timeout_and_local_failures_do_not(message, erro
     comm = Comm.__new__(Comm)  # only what wait() reads
     comm._timed_wait, comm.timeout, comm.step = True, datetime.timedelta(seconds=1), lambda: 3
     with pytest.raises(error, match=r"all-gather of 'w' \(step 3\)"):
-        comm.wait(Pending(_FailingWork(message), "all-gather of 'w' (step {step})"))
+        comm.wait(Pending((_FailingWork(message),), "all-gather of 'w' (step {step})"))
 
 
 def test_chain_error_type_is_exported() -> None:

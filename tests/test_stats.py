@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from conftest import run_ranks
 from models import DeepMLP, TinyGPT
@@ -15,7 +16,7 @@ from gtp_wrap import GTPWrap
 STEPS = 3  # counters are reset after the first step, so they cover STEPS - 1 steps
 
 
-def _train_and_count(rank: int, world: int, model_name: str, layers: int) -> dict:
+def _train_and_count(rank: int, world: int, model_name: str, layers: int, group_numel: int) -> dict:
     torch.manual_seed(0)
     if model_name == "mlp":
         model = DeepMLP(layers)
@@ -23,20 +24,24 @@ def _train_and_count(rank: int, world: int, model_name: str, layers: int) -> dic
     else:
         model = TinyGPT(layers=layers, ckpt=model_name == "gpt_ckpt")
         data = lambda: torch.randint(0, 48, (2, 8))  # noqa: E731
-    GTPWrap(model, {"min_shard_numel": 0})
+    GTPWrap(model, {"min_shard_numel": 0, "group_numel": group_numel})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
     for step in range(STEPS):
         if step == 1:
             gtp_wrap.reset_stats(model)
-        model(data()).float().pow(2).mean().backward()
+        loss = model(data()).float().pow(2).mean()
+        loss.backward()
         opt.step()
         opt.zero_grad()
-    return gtp_wrap.stats(model)
+        losses.append(loss.item())
+    params = [p.detach().clone() for p in model.parameters()]
+    return {**gtp_wrap.stats(model), "losses": losses, "params": params}
 
 
 @functools.cache
-def _stats(model_name: str, layers: int) -> dict:
-    return run_ranks(_train_and_count, 2, model_name, layers)[0]
+def _stats(model_name: str, layers: int, group_numel: int = 1 << 25) -> dict:
+    return run_ranks(_train_and_count, 2, model_name, layers, group_numel)[0]
 
 
 def test_one_blocking_gather_per_pass_direction() -> None:
@@ -60,12 +65,26 @@ def test_recompute_regions_follow_the_backward_chain() -> None:
     assert s["blocking_by_pass"] == {"forward": STEPS - 1, "backward": STEPS - 1}
 
 
-def test_peak_gathered_memory_does_not_grow_with_depth() -> None:
-    shallow, deep = _stats("mlp", 4), _stats("mlp", 8)
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_peak_gathered_memory_does_not_grow_with_depth(per_group: int) -> None:
+    group_numel = 0 if per_group == 1 else 2 * 32 * 32  # DeepMLP's weights are 32 x 32
+    shallow, deep = _stats("mlp", 4, group_numel), _stats("mlp", 8, group_numel)
     assert deep["gathers"] > shallow["gathers"]
     assert deep["peak_gathered_bytes"] == shallow["peak_gathered_bytes"] > 0
-    # One 32x32 fp32 weight in use plus one prefetched: two buffers of 4 KiB.
-    assert shallow["peak_gathered_bytes"] == 2 * 32 * 32 * 4
+    # The group in use plus the group prefetched, of 32 x 32 fp32 weights (4 KiB each).
+    assert shallow["peak_gathered_bytes"] == 2 * per_group * 32 * 32 * 4
+    assert shallow["blocking_by_pass"] == {"forward": STEPS - 1, "backward": STEPS - 1}
+
+
+def test_grouped_collectives_train_like_one_per_weight() -> None:
+    grouped, single = _stats("gpt", 2), _stats("gpt", 2, 0)
+    assert grouped["gathers"] == single["gathers"]
+    assert grouped["reduce_scatters"] == single["reduce_scatters"]
+    assert grouped["bytes_gathered"] == single["bytes_gathered"]
+    assert grouped["blocking_by_pass"] == single["blocking_by_pass"]
+    assert grouped["losses"] == single["losses"]
+    for a, b in zip(grouped["params"], single["params"], strict=True):
+        assert torch.equal(a, b)
 
 
 def _train_eval_train(rank: int, world: int, policy: dict, eval_mode: str) -> list[float]:
