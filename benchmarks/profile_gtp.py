@@ -5,10 +5,10 @@
 The model, optimizer and step are bench_step.py's for the chosen method (floor, gtp, gtp_graph,
 ...; `--gtp-policy` overrides as there). Writes a torch.profiler Chrome trace per rank and a
 JSON summary with: step time; per step, the kernel time of GEMMs, of NCCL collectives and of
-everything else, and how long the compute stream (all non-NCCL kernels) was busy; the share of
-all-gather and reduce-scatter kernel time that overlaps GEMM kernels; and for eager GTP methods
-the host time spent in GTP's hooks per weight use (interception, pack/unpack, reduce-scatter
-issue, excluding the wrapped op itself).
+everything else, the 25 kernels that took longest, and how long the compute stream (all
+non-NCCL kernels) was busy; the share of all-gather and reduce-scatter kernel time that overlaps
+GEMM kernels; and for eager GTP methods the host time spent in GTP's hooks per weight use
+(interception, pack/unpack, reduce-scatter issue, excluding the wrapped op itself).
 """
 
 from __future__ import annotations
@@ -120,6 +120,15 @@ def analyse_trace(path: Path, steps: int) -> dict:
     compute = _intervals(kernels, lambda n: "nccl" not in n.lower())
     busy = _overlap([(compute[0][0], max(e for _, e in compute))], compute) if compute else 0.0
     gemm_us = sum(e - s for s, e in gemms)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e["name"][:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    out["top_kernels_per_step"] = [
+        {"name": name, "count": n / steps, "ms": us / steps / 1e3} for name, (n, us) in top
+    ]
     out["per_step_ms"] = {
         "gemm": gemm_us / steps / 1e3,
         "other_compute": (sum(e - s for s, e in compute) - gemm_us) / steps / 1e3,

@@ -131,7 +131,7 @@ class GTPPolicy:
     )
     min_shard_numel: int = 1 << 18
     prefetch_depth: int = 1
-    group_numel: int = 1 << 25
+    group_numel: int = 1 << 24
     pad_for_alignment: bool = True
     loss_reduction: Literal["mean", "sum"] = "mean"
     collective_timeout_s: float = 300.0

@@ -40,7 +40,7 @@ def _train_and_count(rank: int, world: int, model_name: str, layers: int, group_
 
 
 @functools.cache
-def _stats(model_name: str, layers: int, group_numel: int = 1 << 25) -> dict:
+def _stats(model_name: str, layers: int, group_numel: int = 1 << 24) -> dict:
     return run_ranks(_train_and_count, 2, model_name, layers, group_numel)[0]
 
 
