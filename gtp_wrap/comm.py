@@ -56,8 +56,10 @@ class Comm:
         self._tag = tag
         self._exchanges = 0
         self._timed_wait = mesh.gtp_group is not None and dist.get_backend() == "gloo"
-        # Gloo's grouped collectives abort the process at exit now and then (2 of 16 CPU runs);
-        # a group there is issued one collective at a time, which on CPU costs nothing extra.
+        # On gloo a group is issued one collective per weight: a gloo Work keeps its outputs
+        # referenced until dropped, and one Work shared by a group would keep every buffer of
+        # the group looking in use (buffers.py waits for that reference to go) until its last
+        # weight is used. On CPU the grouping saves nothing anyway.
         self._grouped = not self._timed_wait
         self._axes = {
             "dp": (mesh.dp_group, mesh.dp_size),
@@ -70,18 +72,24 @@ class Comm:
 
     def all_gather(
         self, outs: list[torch.Tensor], shards: list[torch.Tensor], what: str
-    ) -> Pending:
-        """Gather each shard into its output, all in one collective (one grouped NCCL launch)."""
+    ) -> list[Pending]:
+        """Gather each shard into its output, all in one collective (one grouped NCCL launch).
+
+        Note: each output gets its own Pending, waited for by whoever uses that output: on NCCL
+        a wait orders only the calling stream, so one wait for the group would not cover an
+        output used later on another stream. On NCCL they share the group's one Work.
+        """
         if self.mesh.gtp_size == 1:
             for out, shard in zip(outs, shards):
                 out.copy_(shard)
-            return Pending((), what)
+            return [Pending((), what) for _ in outs]
         # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
         # checks per call, paid on every weight use.
         group = self.mesh.gtp_group
         if len(outs) > 1 and self._grouped:
-            return Pending((group.allgather_into_tensor_coalesced(outs, shards),), what)
-        return Pending(tuple(map(group._allgather_base, outs, shards)), what)
+            work = group.allgather_into_tensor_coalesced(outs, shards)
+            return [Pending((work,), what) for _ in outs]
+        return [Pending((work,), what) for work in map(group._allgather_base, outs, shards)]
 
     def reduce_scatter(
         self, outs: list[torch.Tensor], fulls: list[torch.Tensor], what: str
@@ -114,8 +122,12 @@ class Comm:
             return Pending((), what)
         return Pending((dist.broadcast(t, src=0, async_op=True),), what)
 
-    def wait(self, pending: Pending) -> None:
-        works, pending.works = pending.works, ()  # a finished Work still references its tensors
+    def wait(self, pending: Pending, consume: bool = True) -> None:
+        """Make the current stream (on gloo, the host) wait for `pending`; `consume`: for its
+        consumer, after which it is dropped (a finished Work still references its tensors)."""
+        works = pending.works
+        if consume:
+            pending.works = ()
         for work in works:
             self._wait_one(work, pending.what)
 

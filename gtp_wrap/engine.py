@@ -215,9 +215,18 @@ class GTPEngine:
 
     # ---- wrap ---------------------------------------------------------------------------
 
+    # Policy fields that decide which collectives a step issues, in what order and on what
+    # dtypes: ranks that differ in one would pair unrelated collectives.
+    _AGREED_FIELDS = (
+        "prefetch_depth", "group_numel", "pad_for_alignment", "loss_reduction", "param_dtype",
+        "compute_copy", "reduce_dtype", "gather_dtype", "fp8_matmul",
+    )  # fmt: skip
+
     def _check_ranks_agree(self, plans: list[ParameterPlan]) -> None:
-        """Every rank must plan the same parameters the same way, checked before any collective."""
-        sigs = [
+        """Every rank must plan the same parameters the same way, with the same policy, checked
+        before any collective."""
+        fields = [f"{name}={getattr(self.policy, name)!r}" for name in self._AGREED_FIELDS]
+        sigs = [stable_hash(field) for field in fields] + [
             stable_hash(f"{p.fqns[0]}|{tuple(p.param.shape)}|{p.param.dtype}|{p.shard_dim}")
             for p in plans
         ]
@@ -226,6 +235,12 @@ class GTPEngine:
         if diff is None:
             return
         pos, _ = diff
+        if pos < len(fields):
+            raise WrapError(
+                f"ranks wrapped with different policies: this rank has GTPPolicy.{fields[pos]}, "
+                "another rank a different value. Give every rank the same policy"
+            )
+        pos -= len(fields)
         here = plans[pos] if pos < len(plans) else None
         what = (
             f"'{here.fqns[0]}' (shape {tuple(here.param.shape)}, shard dim {here.shard_dim})"
@@ -363,7 +378,8 @@ class GTPEngine:
         )
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        self._close_abandoned_backward()
+        if torch._C._current_graph_task_id() == -1:  # a forward inside backward nests in it
+            self._close_abandoned_backward()
         grad = torch.is_grad_enabled()
         state = self._begin_pass(PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD)
         if grad:
@@ -428,14 +444,12 @@ class GTPEngine:
         """Make the current stream wait for every collective in flight (their results stay for
         their consumers), so a graph replayed next never runs beside them on the same
         communicator."""
-        for state in self._passes:
-            for gather in state.inflight:
-                self.comm.wait(gather.pending)
+        pending = [gather.pending for state in self._passes for gather in state.inflight]
         if self._reducing is not None and self._reducing.pending is not None:
-            self.comm.wait(self._reducing.pending)
-        for bucket in self.replicated.buckets:
-            if bucket.pending is not None:
-                self.comm.wait(bucket.pending)
+            pending.append(self._reducing.pending)
+        pending += [b.pending for b in self.replicated.buckets if b.pending is not None]
+        for p in pending:
+            self.comm.wait(p, consume=False)
 
     # ---- forward gather along the chain -------------------------------------------------
 
@@ -556,12 +570,12 @@ class GTPEngine:
                 f"all-gather of '{lays[0].fqn}' ... '{lays[-1].fqn}' ({len(lays)} weights, "
                 f"{state.kind.value} pass, step {{step}})"
             )
-        pending = self.comm.all_gather([b.tensor for b in bufs], sends, what)
+        pendings = self.comm.all_gather([b.tensor for b in bufs], sends, what)
         self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.gather_bytes())
         self.stats.gathers += len(lays)
         return [
             Gather(lay, buf, pending, None if first is None else first + i)
-            for i, (lay, buf) in enumerate(zip(lays, bufs))
+            for i, (lay, buf, pending) in enumerate(zip(lays, bufs, pendings))
         ]
 
     def _complete(

@@ -77,3 +77,37 @@ def test_access_patterns_and_recovery() -> None:
         assert r["bf16_out"] == "torch.bfloat16"
         assert r["raised"] and r["open_passes"] == 0
         assert r["after_error"] < 1e-6
+
+
+def _forward_inside_backward(rank: int, world: int, group_numel: int) -> float:
+    """A tensor hook evaluates the model under no_grad in the middle of backward (logging, say):
+    the live backward pass and its pending gradients must survive the nested forward."""
+    idx = torch.arange(12).view(4, 3) % 16
+    probe = torch.arange(3).view(1, 3)
+    torch.manual_seed(0)
+    ref = TransposeHead()
+    model = GTPWrap(_model(), {"min_shard_numel": 0, "group_numel": group_numel})
+    for net, x in ((ref, idx), (model, idx[rank * 2 : (rank + 1) * 2])):
+
+        def evaluate(grad: torch.Tensor, net: nn.Module = net) -> torch.Tensor:
+            with torch.no_grad():
+                net(probe)
+            return grad
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor, evaluate=evaluate) -> None:
+            if out.requires_grad:  # not in the evaluation itself
+                out.register_hook(evaluate)
+
+        net.proj.register_forward_hook(hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(2):
+            F.cross_entropy(net(x).flatten(0, 1), x.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    full = gtp_wrap.full_state_dict(model)
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+def test_model_forward_inside_backward() -> None:
+    for group_numel in (0, 1 << 24):
+        assert max(run_ranks(_forward_inside_backward, 2, group_numel)) < 1e-6

@@ -103,6 +103,8 @@ def _bad_inputs(rank: int, world: int) -> dict:
     out["mesh_names"] = _caught(lambda: GTPWrap(_mlp(), mesh=mesh))
     width = 8 if rank == 0 else 6
     out["models_differ"] = _caught(lambda: GTPWrap(nn.Linear(4, width), {"min_shard_numel": 0}))
+    policy = {"min_shard_numel": 0, "group_numel": 0 if rank == 0 else 1 << 20}
+    out["policies_differ"] = _caught(lambda: GTPWrap(nn.Linear(4, 8), policy))
     torch.manual_seed(0)
     model = GTPWrap(_RankOrder(), {"min_shard_numel": 0, "collective_timeout_s": 20})
     out["chain"] = _caught(lambda: model(torch.randn(2, 8)))
@@ -115,6 +117,8 @@ def test_bad_inputs_across_ranks() -> None:
         assert out["mesh_size"].startswith("WrapError"), out["mesh_size"]
         assert "mesh_dim_names=('dp', 'gtp')" in out["mesh_names"], out["mesh_names"]
         assert out["models_differ"].startswith("WrapError: ranks disagree on parameter #0")
+        assert out["policies_differ"].startswith("WrapError: ranks wrapped with different pol")
+        assert "GTPPolicy.group_numel=" in out["policies_differ"]
         assert out["chain"].startswith("ChainMismatchError"), out["chain"]
         assert "use #0 is rank 0: 'a.weight', rank 1: 'b.weight'" in out["chain"]
     assert "spans 1 ranks but the world has 2" in results[0]["mesh_size"]
@@ -144,7 +148,9 @@ def _failed_collective(rank: int, world: int) -> str:
     engine = engine_of(GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0}))
     with torch.inference_mode():  # gloo cannot write into it outside inference mode
         out = torch.empty(16)
-    pending = engine.comm.all_gather([out], [torch.ones(8)], "all-gather of 'probe' (step {step})")
+    (pending,) = engine.comm.all_gather(
+        [out], [torch.ones(8)], "all-gather of 'probe' (step {step})"
+    )
     got = _caught(lambda: engine.comm.wait(pending))
     engine.comm.exchange("done", [])  # neither rank tears down while its peer still waits
     return got
