@@ -1,9 +1,9 @@
 """The GTP runtime of one wrapped module, in the order data flows through it:
 
-wrap (storage and parameters) -> forward gather along the chain -> compute -> backward
-rematerialize (saved weights are re-gathered, never kept) -> reduce-scatter of each weight
-gradient -> finalize one step later into `.grad` -> end-of-backward: last finalize, replicated
-all-reduce, chain freeze.
+wrap (storage and parameters) -> forward gather along the chain, a group of weights per
+collective -> compute -> backward rematerialize (saved weights are re-gathered, never kept) ->
+reduce-scatter of the weight gradients, a group per collective -> finalize one group later into
+`.grad` -> end-of-backward: last finalize, replicated all-reduce, chain freeze.
 """
 
 from __future__ import annotations
@@ -604,11 +604,13 @@ class GTPEngine:
         return full
 
     def _drain(self, state: PassState) -> None:
-        """Complete the gathers still in flight so their buffers return to the pool."""
+        """Complete the gathers still in flight so their buffers return to the pool (they
+        were issued ahead, so they count as prefetched, though no use reads them)."""
         while state.inflight:
             gather = state.inflight.popleft()
             self.comm.wait(gather.pending)
             self.pool.hand_out(gather.buffer)
+            self.stats.prefetched_gathers += 1
 
     # ---- backward rematerialize ---------------------------------------------------------
 
