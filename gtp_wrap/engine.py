@@ -218,8 +218,8 @@ class GTPEngine:
     # Policy fields that decide which collectives a step issues, in what order and on what
     # dtypes: ranks that differ in one would pair unrelated collectives.
     _AGREED_FIELDS = (
-        "prefetch_depth", "group_numel", "pad_for_alignment", "loss_reduction", "param_dtype",
-        "compute_copy", "reduce_dtype", "gather_dtype", "fp8_matmul",
+        "prefetch_depth", "group_numel", "loss_reduction", "param_dtype", "reduce_dtype",
+        "gather_dtype", "fp8_matmul",
     )  # fmt: skip
 
     def _check_ranks_agree(self, plans: list[ParameterPlan]) -> None:
@@ -664,7 +664,7 @@ class GTPEngine:
 
     def _awaits_grad(self, lay: ShardLayout) -> bool:
         """Whether a gradient of `lay` is collected or reducing, not yet in its `.grad`."""
-        groups = (self._collecting, self._reducing) if self._reducing else (self._collecting,)
+        groups = [self._collecting] + ([self._reducing] if self._reducing is not None else [])
         return any(g.layout is lay for group in groups for g in group.grads)
 
     def _issue_reduce(self) -> None:
