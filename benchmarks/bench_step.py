@@ -28,6 +28,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -106,6 +107,28 @@ def clear_grads(method: str, model: nn.Module, optim: torch.optim.Optimizer) -> 
     (model if method == "floor" else optim).zero_grad(set_to_none=True)
 
 
+def batch_of(cfg: GPTConfig, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """This rank's token batch, `seq + 1` long (inputs and shifted targets), seeded by rank."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(device)
+
+
+def method_step(method: str, model: nn.Module, optim: torch.optim.Optimizer,
+                autocast: torch.dtype | None, idx: torch.Tensor,
+                graph_warmup: int) -> Callable[[], None]:  # fmt: skip
+    """One whole step of `method` on `idx`, gradients cleared after it; gtp_graph's is captured
+    by `graph_step` after `graph_warmup` eager steps and replayed from then on."""
+    train = train_step(model, optim, autocast)
+    if method == "gtp_graph":
+        train = gtp_wrap.graph_step(model, train, warmup=graph_warmup)
+
+    def step() -> None:
+        train(idx[:, :-1], idx[:, 1:])
+        clear_grads(method, model, optim)
+
+    return step
+
+
 def common_args(ap: argparse.ArgumentParser, out: Path, policy_example: str) -> None:
     """The options the benchmark scripts share (`--gtp-policy` parses to FIELD=VALUE pairs)."""
     ap.add_argument("--seq", type=int, default=2048)
@@ -131,18 +154,12 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
     model, optim, autocast = _build(method, cfg, device, world, overrides)
     if device.type == "cuda":  # training memory: every method builds the full model first
         torch.cuda.reset_peak_memory_stats(device)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    idx = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(device)
-    x, y = idx[:, :-1], idx[:, 1:]
-
-    step = train_step(model, optim, autocast)
-    run = gtp_wrap.graph_step(model, step, warmup=warmup) if method == "gtp_graph" else step
+    step = method_step(method, model, optim, autocast, batch_of(cfg, batch, seq, device), warmup)
     times = []
     for i in range(warmup + steps):
         _sync(device)
         began = time.perf_counter()
-        run(x, y)
-        clear_grads(method, model, optim)
+        step()
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - began)
@@ -163,7 +180,7 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
     if method.startswith("gtp"):
         s = gtp_wrap.stats(model)
         out["blocking_by_pass"] = s["blocking_by_pass"]
-    del run, step, model, optim  # a graphed step must go before its model (and NCCL)
+    del step, model, optim  # a graphed step must go before its model (and NCCL)
     return out
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_step import MODELS, _build, clear_grads, common_args, train_step
+from bench_step import MODELS, _build, batch_of, common_args, method_step
 
 from gtp_wrap.app.launch import launch, under_torchrun
 
@@ -81,14 +81,8 @@ def _rank(device: torch.device, args: argparse.Namespace) -> None:
     torch.cuda.memory._record_memory_history(max_entries=_MAX_ENTRIES, stacks="python")
     world = dist.get_world_size()
     model, optim, autocast = _build(args.method, cfg, device, world, args.gtp_policy)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    idx = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g).to(device)
-    train = train_step(model, optim, autocast)
-
-    def step() -> None:
-        train(idx[:, :-1], idx[:, 1:])
-        clear_grads(args.method, model, optim)
-
+    idx = batch_of(cfg, args.batch, args.seq, device)
+    step = method_step(args.method, model, optim, autocast, idx, graph_warmup=0)
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()

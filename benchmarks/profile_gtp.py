@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_step import METHODS, MODELS, _build, clear_grads, common_args, train_step
+from bench_step import METHODS, MODELS, _build, batch_of, common_args, method_step
 
 import gtp_wrap
 from gtp_wrap.engine import GTPEngine
@@ -160,15 +160,10 @@ def main() -> None:
     if args.method == "gtp_graph" and args.warmup < 3:
         ap.error("gtp_graph needs --warmup >= 3 (two eager steps, then the capture)")
     timer = HookTimer() if gtp else None
-    idx = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), device="cuda")
-    train = train_step(model, opt, autocast)
+    idx = batch_of(cfg, args.batch, args.seq, device)
     # A graphed step is captured in the last warm-up step, so the timed steps replay.
     graphed = args.method == "gtp_graph"
-    run = gtp_wrap.graph_step(model, train, warmup=args.warmup - 1) if graphed else train
-
-    def step() -> None:
-        run(idx[:, :-1], idx[:, 1:])
-        clear_grads(args.method, model, opt)
+    step = method_step(args.method, model, opt, autocast, idx, graph_warmup=args.warmup - 1)
 
     for _ in range(args.warmup):
         step()

@@ -77,7 +77,6 @@ class PassState:
     scope: str | None  # None: the model's own pass; a name: a graphed region's
     chain: Chain | None
     cursor: int = 0  # the chain position of the next use
-    issued: int = 0  # chain positions whose gathers have been issued
     diverged: bool = False
     recorded: list[int] = dataclasses.field(default_factory=list)
     inflight: collections.deque[Gather] = dataclasses.field(default_factory=collections.deque)
@@ -91,6 +90,12 @@ class PassState:
             and self.cursor < len(self.chain.order)
             and self.chain.order[self.cursor] == index
         )
+
+    @property
+    def issued(self) -> int:
+        """Chain positions whose gathers have been issued: those used, plus those in flight
+        (consumed in chain order while the pass follows its chain)."""
+        return self.cursor + len(self.inflight)
 
     def next_to_prefetch(self, depth: int) -> range | None:
         """The next group to issue, if fewer than `depth` groups are in flight beyond the group

@@ -55,12 +55,12 @@ class Comm:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._tag = tag
         self._exchanges = 0
-        self._timed_wait = mesh.gtp_group is not None and dist.get_backend() == "gloo"
-        # On gloo a group is issued one collective per weight: a gloo Work keeps its outputs
-        # referenced until dropped, and one Work shared by a group would keep every buffer of
-        # the group looking in use (buffers.py waits for that reference to go) until its last
-        # weight is used. On CPU the grouping saves nothing anyway.
-        self._grouped = not self._timed_wait
+        # Gloo differs twice. Its waits block the host, so they take our timeout. And a group
+        # is issued there one collective per weight: a gloo Work keeps its outputs referenced
+        # until dropped, and one Work shared by a group would keep every buffer of the group
+        # looking in use (buffers.py waits for that reference to go) until its last weight is
+        # used. On CPU the grouping saves nothing anyway.
+        self._gloo = mesh.gtp_group is not None and dist.get_backend() == "gloo"
         self._axes = {
             "dp": (mesh.dp_group, mesh.dp_size),
             "gtp": (mesh.gtp_group, mesh.gtp_size),
@@ -86,7 +86,7 @@ class Comm:
         # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
         # checks per call, paid on every weight use.
         group = self.mesh.gtp_group
-        if len(outs) > 1 and self._grouped:
+        if len(outs) > 1 and not self._gloo:
             work = group.allgather_into_tensor_coalesced(outs, shards)
             return [Pending((work,), what) for _ in outs]
         return [Pending((work,), what) for work in map(group._allgather_base, outs, shards)]
@@ -100,7 +100,7 @@ class Comm:
                 out.copy_(full)
             return Pending((), what)
         group, opts = self.mesh.gtp_group, self._rs_opts
-        if len(outs) > 1 and self._grouped:
+        if len(outs) > 1 and not self._gloo:
             return Pending((group.reduce_scatter_tensor_coalesced(outs, fulls, opts),), what)
         return Pending(
             tuple(group._reduce_scatter_base(o, f, opts) for o, f in zip(outs, fulls)), what
@@ -132,7 +132,7 @@ class Comm:
             self._wait_one(work, pending.what)
 
     def _wait_one(self, work: dist.Work, what: str) -> None:
-        if not self._timed_wait:
+        if not self._gloo:
             work.wait()
             return
         try:

@@ -324,16 +324,21 @@ class GTPEngine:
 
     def intercepting(self) -> bool:
         """Whether uses of sharded parameters see full weights now (inside a pass)."""
-        in_backward = torch._C._current_graph_task_id() != -1
-        if not in_backward:
-            self._close_abandoned_backward()
-        return bool(self._passes) or in_backward
+        if torch._C._current_graph_task_id() != -1:
+            return True
+        self._close_abandoned_backward()
+        return bool(self._passes)
 
     def _close_abandoned_backward(self) -> None:
         """Drop a backward pass still open outside backward: its backward raised, so autograd
         skipped the end-of-backward callback, and a pass left open would make every later op
-        (the optimizer's too) a use."""
-        if self._passes and self._passes[-1].kind is PassKind.BACKWARD:
+        (the optimizer's too) a use. Inside backward (a forward called from a hook) the pass
+        is live."""
+        if (
+            self._passes
+            and self._passes[-1].kind is PassKind.BACKWARD
+            and torch._C._current_graph_task_id() == -1
+        ):
             self._collecting, self._reducing = ReduceGroup(), None
             self._end_pass(failed=True)
 
@@ -372,14 +377,13 @@ class GTPEngine:
                 "collectively, so every rank must run the same weights in the same order "
                 "(make data-dependent branches agree across ranks)"
             )
-        numels = [self.layouts[i].gathered_numel for i in range(len(self.layouts))]
+        numels = [lay.gathered_numel for lay in self.layouts]
         self._chains[(state.kind, state.scope)] = Chain.build(
             state.recorded, numels, self.policy.group_numel
         )
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        if torch._C._current_graph_task_id() == -1:  # a forward inside backward nests in it
-            self._close_abandoned_backward()
+        self._close_abandoned_backward()  # a forward inside backward nests in its pass
         grad = torch.is_grad_enabled()
         state = self._begin_pass(PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD)
         if grad:
@@ -518,7 +522,7 @@ class GTPEngine:
         if state.expects(lay.index):
             position = state.cursor
             state.cursor += 1
-            blocking = state.issued <= position  # the chain head: its group is issued now
+            blocking = not state.inflight  # the chain head: its group is issued now
             if blocking:
                 self._issue_group(state, state.chain.rest_of_group(position))  # type: ignore[union-attr]
             gather = state.inflight.popleft()
@@ -541,7 +545,6 @@ class GTPEngine:
         order = state.chain.order  # type: ignore[union-attr]
         lays = [self.layouts[order[p]] for p in positions]
         state.inflight.extend(self._issue(state, lays, positions.start))
-        state.issued = positions.stop
 
     def _issue(self, state: PassState, lays: list[ShardLayout], first: int | None) -> list[Gather]:
         """Gather `lays` in one collective, for chain positions `first`, `first + 1`, ...

@@ -185,7 +185,7 @@ class _FailingWork:
 )
 def test_peer_trouble_reads_as_a_timeout_and_local_failures_do_not(message, error) -> None:
     comm = Comm.__new__(Comm)  # only what wait() reads
-    comm._timed_wait, comm.timeout, comm.step = True, datetime.timedelta(seconds=1), lambda: 3
+    comm._gloo, comm.timeout, comm.step = True, datetime.timedelta(seconds=1), lambda: 3
     with pytest.raises(error, match=r"all-gather of 'w' \(step 3\)"):
         comm.wait(Pending((_FailingWork(message),), "all-gather of 'w' (step {step})"))
 

@@ -12,7 +12,7 @@ from models import DeepMLP, TinyGPT
 from torch import nn
 
 import gtp_wrap
-from gtp_wrap import GTPWrap
+from gtp_wrap import GTPPolicy, GTPWrap
 
 STEPS = 3  # counters are reset after the first step, so they cover STEPS - 1 steps
 
@@ -41,7 +41,7 @@ def _train_and_count(rank: int, world: int, model_name: str, layers: int, group_
 
 
 @functools.cache
-def _stats(model_name: str, layers: int, group_numel: int = 1 << 24) -> dict:
+def _stats(model_name: str, layers: int, group_numel: int = GTPPolicy().group_numel) -> dict:
     return run_ranks(_train_and_count, 2, model_name, layers, group_numel)[0]
 
 
