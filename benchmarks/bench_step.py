@@ -4,7 +4,7 @@
     python benchmarks/bench_step.py --smoke          # CPU, 2 gloo ranks, seconds, no timing claims
 
 Every method trains the same Llama-style model (gtp_wrap.app.model) on the same batch, sequence
-length and seed, with AdamW:
+length and seed, with AdamW (foreach, or fused with --fused-adamw):
 - floor: bf16 model on one GPU, forward + backward with no communication, plus an AdamW step on
   1/N of the parameters (fp32): what perfect overlap would give;
 - ddp: fp32 parameters, bf16 autocast, DistributedDataParallel;
@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,25 +60,34 @@ def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
         return GPT(cfg).to(dtype)
 
 
-def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict):
+def _adamw(params: Any, fused: bool, capturable: bool = False) -> torch.optim.AdamW:
+    """Every method's optimizer. The fused kernel keeps its step count on the device, so a
+    CUDA graph can capture it without `capturable`."""
+    if fused:
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return torch.optim.AdamW(params, lr=1e-4, capturable=capturable)
+
+
+def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict,
+           fused_adamw: bool = False):  # fmt: skip
     """(model, optimizer, autocast dtype or None); the floor's optimizer steps a 1/N shard."""
     if method == "floor":
         model = _model(cfg, device, torch.bfloat16)
         shard = torch.zeros(math.ceil(cfg.n_params / world), device=device, requires_grad=True)
         shard.grad = torch.zeros_like(shard)
-        return model, torch.optim.AdamW([shard], lr=1e-4), None
+        return model, _adamw([shard], fused_adamw), None
     model = _model(cfg, device, torch.float32)
     if method == "ddp":
         model = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None
         )
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.bfloat16
+        return model, _adamw(model.parameters(), fused_adamw), torch.bfloat16
     if method == "fsdp2":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None
+        return model, _adamw(model.parameters(), fused_adamw), None
     policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32", **overrides}
     if method.startswith("gtp_fp8"):
         policy["gather_dtype"] = "fp8"
@@ -85,8 +95,7 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
     if cfg.d < 512:
         policy["min_shard_numel"] = 0
     GTPWrap(model, policy)
-    capturable = method == "gtp_graph"
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=capturable), None
+    return model, _adamw(model.parameters(), fused_adamw, method == "gtp_graph"), None
 
 
 def train_step(model: nn.Module, optim: torch.optim.Optimizer, autocast: torch.dtype | None):
@@ -133,6 +142,8 @@ def common_args(ap: argparse.ArgumentParser, out: Path, policy_example: str) -> 
     """The options the benchmark scripts share (`--gtp-policy` parses to FIELD=VALUE pairs)."""
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="every method's AdamW with fused=True (one kernel per step)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=out)
     ap.add_argument("--gtp-policy", nargs="*", type=_field, default=[], metavar="FIELD=VALUE",
                     help=f"GTPPolicy overrides of the gtp methods: {policy_example}")  # fmt: skip
@@ -144,14 +155,14 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, steps: int,
-            device: torch.device, overrides: dict) -> dict:  # fmt: skip
+            device: torch.device, overrides: dict, fused_adamw: bool = False) -> dict:  # fmt: skip
     world = dist.get_world_size()
     gc.collect()  # engines and FSDP states hold reference cycles: free the previous method
     baseline = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         baseline = torch.cuda.memory_allocated(device)  # whatever earlier methods left behind
-    model, optim, autocast = _build(method, cfg, device, world, overrides)
+    model, optim, autocast = _build(method, cfg, device, world, overrides, fused_adamw)
     if device.type == "cuda":  # training memory: every method builds the full model first
         torch.cuda.reset_peak_memory_stats(device)
     step = method_step(method, model, optim, autocast, batch_of(cfg, batch, seq, device), warmup)
@@ -190,9 +201,8 @@ def run(device: torch.device, args: argparse.Namespace) -> list[dict]:
         cfg = MODELS[model_name]
         for batch in batches:
             for method in args.methods:
-                r = measure(
-                    method, cfg, batch, args.seq, args.warmup, args.steps, device, args.gtp_policy
-                )
+                r = measure(method, cfg, batch, args.seq, args.warmup, args.steps, device,
+                            args.gtp_policy, args.fused_adamw)  # fmt: skip
                 r |= {"model": model_name, "batch": batch, "seq": args.seq}
                 rows.append(r)
                 if dist.get_rank() == 0:

@@ -80,7 +80,9 @@ def _rank(device: torch.device, args: argparse.Namespace) -> None:
     cfg = MODELS[args.model]
     torch.cuda.memory._record_memory_history(max_entries=_MAX_ENTRIES, stacks="python")
     world = dist.get_world_size()
-    model, optim, autocast = _build(args.method, cfg, device, world, args.gtp_policy)
+    model, optim, autocast = _build(
+        args.method, cfg, device, world, args.gtp_policy, args.fused_adamw
+    )
     idx = batch_of(cfg, args.batch, args.seq, device)
     step = method_step(args.method, model, optim, autocast, idx, graph_warmup=0)
     for _ in range(args.warmup):

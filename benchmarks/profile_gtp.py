@@ -155,7 +155,9 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = MODELS[args.model]
-    model, opt, autocast = _build(args.method, cfg, device, world, args.gtp_policy)
+    model, opt, autocast = _build(
+        args.method, cfg, device, world, args.gtp_policy, args.fused_adamw
+    )
     gtp = args.method.startswith("gtp")
     if args.method == "gtp_graph" and args.warmup < 3:
         ap.error("gtp_graph needs --warmup >= 3 (two eager steps, then the capture)")

@@ -25,6 +25,7 @@ from .buffers import GatherBufferPool
 from .chain import Chain, Gather, PassKind, PassState, first_difference
 from .comm import Comm, Pending, stable_hash
 from .errors import ChainMismatchError, GraphCaptureError, PolicyError, WrapError
+from .linear import ShardedLinear
 from .mesh import GTPMesh
 from .parameter import GTPParameter, _OpenPasses, make_gtp_parameter
 from .policy import GTPPolicy, ParameterPlan, policy_dtype
@@ -148,6 +149,11 @@ class GTPEngine:
         self.fqns = [p.fqns for p in sharded]
         self.param_dtype = policy_dtype(policy.param_dtype)
         self.reduce_dtype = policy_dtype(policy.reduce_dtype)
+        # F.linear uses run through the engine's own linear (linear.py) where the weight
+        # gradient's dtype differs from the compute dtype, and for FP8 GEMMs.
+        self._own_linear = self.fp8_matmul or (
+            self.param_dtype is not None and self.reduce_dtype not in (None, self.param_dtype)
+        )
         # Note: by default no param_dtype copy of the shards is kept: each gather casts 1/N of
         # its weight into its own part of the gather buffer. On 2xH200 (1.36B, batch 1-8) that
         # moved step time only within run-to-run noise, while the copy (compute_copy, cast once per
@@ -461,9 +467,9 @@ class GTPEngine:
         """Run `func` with each sharded parameter among its args replaced by the full weight."""
         if not self._passes:
             self._ensure_backward()  # a checkpoint recompute: uses inside backward
-        gemm = self._fp8_gemm_layout(func, args) if self.fp8_matmul else None
-        if gemm is not None:
-            return self._fp8_linear(gemm, *args, **kwargs)
+        lay = self._linear_layout(func, args) if self._own_linear else None
+        if lay is not None:
+            return self._linear(lay, *args, **kwargs)
         full: dict[int, torch.Tensor] = {}
 
         def substitute(p: GTPParameter) -> torch.Tensor:
@@ -485,32 +491,45 @@ class GTPEngine:
         w = self.gather(p._gtp_layout)
         return _RouteGrad.apply(p, w, self, p._gtp_layout) if grad else w
 
-    def _fp8_gemm_layout(self, func: Callable, args: tuple) -> ShardLayout | None:
-        """The layout of the weight if this use is an F.linear that can run as an FP8 GEMM."""
+    def _linear_layout(self, func: Callable, args: tuple) -> ShardLayout | None:
+        """The layout of the weight if this use is an F.linear that takes the engine's own
+        linear (see `_own_linear`): a sharded weight, an input in the compute dtype."""
         if func is not F.linear or len(args) < 2 or type(args[1]) is not GTPParameter:
             return None
-        x, lay = args[0], args[1]._gtp_layout
-        if lay is None or not self._fp8_gemm[lay.index] or type(x) is GTPParameter:
+        x, weight = args[0], args[1]
+        lay = weight._gtp_layout
+        if lay is None or len(lay.shape) != 2 or type(x) is GTPParameter:
             return None
-        return lay if x.dtype == self.param_dtype and x.shape[-1] == lay.shape[1] else None
+        if x.dtype != self.param_dtype or x.shape[-1] != lay.shape[1]:
+            return None
+        if self.fp8_matmul and self._fp8_gemm[lay.index]:
+            return lay
+        return lay if torch.is_grad_enabled() and weight.requires_grad else None
 
-    def _fp8_linear(
+    def _linear(
         self,
         lay: ShardLayout,
         x: torch.Tensor,
         weight: GTPParameter,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """F.linear with the gathered FP8 weight fed straight to the FP8 GEMM (fp8_matmul)."""
+        """F.linear on the gathered weight through `ShardedLinear`; with fp8_matmul the
+        gathered FP8 weight is fed straight to the FP8 GEMM."""
         if type(bias) is GTPParameter:
             bias = self._full_weight(bias)
-        w, scale = fp8.unpack_rows(self.gather(lay, packed=True), lay.world, lay.rows_per_rank,
-                                   lay.row_numel)  # fmt: skip
-        self.stats.fp8_matmuls += 1
+        scale = None
+        if self.fp8_matmul and self._fp8_gemm[lay.index]:
+            w, scale = fp8.unpack_rows(self.gather(lay, packed=True), lay.world,
+                                       lay.rows_per_rank, lay.row_numel)  # fmt: skip
+            self.stats.fp8_matmuls += 1
+        else:
+            w = self.gather(lay)
         if torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         ):
-            return fp8.FP8Linear.apply(x, weight, w, scale, self, lay, bias)
+            return ShardedLinear.apply(x, weight, w, bias, self, lay, scale)
+        if scale is None:
+            return F.linear(x, w, bias)
         return fp8.linear_forward(x, w, scale, lay, bias)
 
     def gather(self, lay: ShardLayout, packed: bool = False) -> torch.Tensor:

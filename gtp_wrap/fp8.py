@@ -163,29 +163,3 @@ def linear_forward(
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], rows)
-
-
-class FP8Linear(torch.autograd.Function):
-    """F.linear whose forward is one FP8 GEMM; its backward re-gathers the weight (dequantized
-    to the compute dtype) for the input gradient and reduce-scatters the weight gradient, as a
-    bf16 use would."""
-
-    @staticmethod
-    def forward(ctx, x, param, w, scale, engine, layout, bias):  # type: ignore[override]
-        ctx.engine, ctx.layout, ctx.has_bias = engine, layout, bias is not None
-        ctx.save_for_backward(x)
-        return linear_forward(x, w, scale, layout, bias)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        engine, lay = ctx.engine, ctx.layout
-        engine._ensure_backward()
-        g = grad.reshape(-1, lay.shape[0])
-        dx = None
-        if ctx.needs_input_grad[0]:  # the weight is re-gathered only when the input needs it
-            dx = (g @ engine.gather(lay)).reshape(x.shape)
-        if ctx.needs_input_grad[1]:  # a frozen weight gets no gradient
-            engine.reduce_grad(lay, g.t() @ x.reshape(-1, x.shape[-1]))
-        dbias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[6] else None
-        return dx, None, None, None, None, None, dbias

@@ -12,7 +12,14 @@ import pytest
 import torch
 from conftest import run_ranks
 from test_parity import CASES, _model, _train
-from test_precision import BF16, FP8_GEMM, _train_gpt, packed_slots
+from test_precision import (
+    BF16,
+    FP8_GEMM,
+    _linear_grads,
+    _train_gpt,
+    check_weight_grads_are_rounded_once,
+    packed_slots,
+)
 
 import gtp_wrap
 from gtp_wrap import GTPWrap, fp8, fp8_triton
@@ -65,6 +72,12 @@ def _results() -> list:
     if not _cache:
         _cache.append(run_ranks(_nccl_cases, 2, timeout=300, backend="nccl"))
     return _cache[0]
+
+
+def test_weight_gradients_come_out_of_the_gemm_in_fp32() -> None:
+    """On CUDA the weight-gradient GEMM writes fp32 itself (torch.mm's out_dtype)."""
+    results = run_ranks(_linear_grads, 2, BF16, True, backend="nccl")
+    check_weight_grads_are_rounded_once(results, dx_tol=1e-2)
 
 
 def test_fp8_gemm_on_hopper_trains_like_bf16() -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import run_ranks
 from models import TinyGPT
+from torch import nn
 
 import gtp_wrap
 from gtp_wrap import GTPWrap, PolicyError, fp8
@@ -113,6 +114,47 @@ def test_bf16_training_ends_within_half_a_percent_of_fp32() -> None:
     bf16 = _train_gpt(0, 1, BF16)["loss"]
     assert fp32 < 3.5  # it learned something
     assert abs(bf16 - fp32) / fp32 < 0.005, (bf16, fp32)
+
+
+def _linear_grads(rank: int, world: int, policy: dict, cuda: bool = False) -> dict:
+    """One Linear (64 -> 48, bias) trained one step on a loss linear in its output, so the
+    weight gradient is exactly the mean over ranks of dy.T @ x with dy and x in bf16."""
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    model = GTPWrap(nn.Sequential(nn.Linear(64, 48)).to(device), policy)
+    g = torch.Generator().manual_seed(1)
+    x, c = torch.randn(world, 4, 5, 64, generator=g), torch.randn(world, 4, 5, 48, generator=g)
+    xr = x[rank].to(device).requires_grad_()
+    (model(xr).float() * c[rank].to(device)).sum().backward()
+    weight = model[0].weight
+    return {"grad": weight.grad.cpu(), "dtype": str(weight.grad.dtype), "dx": xr.grad.cpu(),
+            "w": gtp_wrap.full_state_dict(model)["0.weight"], "x": x, "c": c}  # fmt: skip
+
+
+def check_weight_grads_are_rounded_once(results: list[dict], dx_tol: float = 0.0) -> None:
+    """The gathered weight gradient is each rank's dy.T @ x summed in fp32 (then averaged),
+    not a bf16 GEMM output cast to fp32; the input gradient is the bf16 GEMM dy @ w, within
+    `dx_tol` (another GEMM library sums in another order; with FP8 gathers `w` is the
+    dequantized weight)."""
+    x, c, w = results[0]["x"], results[0]["c"], results[0]["w"]
+    dy, xb = c.bfloat16().double().flatten(1, 2), x.bfloat16().double().flatten(1, 2)
+    exact = (dy.transpose(1, 2) @ xb).mean(0)
+    rounded = (dy.transpose(1, 2) @ xb).bfloat16().double().mean(0)  # autograd's bf16 GEMM
+    got = torch.cat([r["grad"] for r in results]).double()
+    scale = exact.abs().max().item()
+    assert (got - exact).abs().max().item() < 1e-6 * scale
+    assert (rounded - exact).abs().max().item() > 1e-4 * scale  # the check tells them apart
+    assert {r["dtype"] for r in results} == {"torch.float32"}
+    for rank, r in enumerate(results):
+        dx = (c[rank].bfloat16() @ w.bfloat16()).float()
+        torch.testing.assert_close(r["dx"], dx, rtol=dx_tol, atol=dx_tol)
+
+
+@pytest.mark.parametrize("policy", [BF16, BF16 | {"compute_copy": True}, FP8, FP8_GEMM],
+                         ids=["bf16", "compute_copy", "fp8", "fp8_matmul"])  # fmt: skip
+def test_weight_gradients_are_computed_in_the_reduce_dtype(policy: dict) -> None:
+    results = run_ranks(_linear_grads, 2, policy)
+    check_weight_grads_are_rounded_once(results, 0.0 if policy.get("gather_dtype") is None else 0.1)
 
 
 def test_fp8_round_trip_is_within_the_e4m3_bound() -> None:

@@ -1,0 +1,63 @@
+"""F.linear on a sharded weight, with the weight gradient computed straight in the reduce dtype.
+
+Note: with bf16 compute and fp32 reductions, autograd's own linear backward writes the weight
+gradient in bf16 and the reduce-scatter then needs it in fp32: a cast that reads and writes
+every gathered gradient once more (5.1 ms of a 76.6 ms graphed step at 1.36B, batch 1, 2xH200,
+`benchmarks/profile_gtp.py`). The GEMM can write fp32 itself (cuBLAS accumulates in fp32
+anyway), so uses that are F.linear take this path: the forward is F.linear as before, the
+input gradient is the same GEMM autograd runs, and the weight gradient is one GEMM with an fp32
+output: the unrounded sum, as Megatron-LM's fp32 gradient accumulation keeps it. On CPU, where
+the GEMM has no output dtype, the operands are upcast instead, which computes the same products.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from . import fp8
+
+if TYPE_CHECKING:
+    from .engine import GTPEngine
+    from .storage import ShardLayout
+
+
+def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad.T @ x (both 2-D, in the compute dtype) as a `dtype` tensor, rounded once."""
+    if grad.dtype == dtype:
+        return grad.t() @ x
+    if grad.is_cuda:
+        return torch.mm(grad.t(), x, out_dtype=dtype)
+    return grad.t().to(dtype) @ x.to(dtype)
+
+
+class ShardedLinear(torch.autograd.Function):
+    """F.linear with a gathered weight (with `scale`, the gathered FP8 rows and their scales,
+    run as one FP8 GEMM); backward re-gathers the weight in the compute dtype for the input
+    gradient and hands the weight gradient, in the reduce dtype, to the reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, param, w, bias, engine, layout, scale):  # type: ignore[override]
+        ctx.engine, ctx.layout, ctx.has_bias = engine, layout, bias is not None
+        ctx.save_for_backward(x)
+        if scale is None:
+            return F.linear(x, w, bias)
+        return fp8.linear_forward(x, w, scale, layout, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        engine: GTPEngine = ctx.engine
+        lay: ShardLayout = ctx.layout
+        engine._ensure_backward()
+        g = grad.reshape(-1, lay.shape[0])
+        dx = None
+        if ctx.needs_input_grad[0]:  # the weight is re-gathered only when the input needs it
+            dx = (g @ engine.gather(lay)).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            dtype = engine.reduce_dtype or g.dtype
+            engine.reduce_grad(lay, weight_grad(g, x.reshape(-1, x.shape[-1]), dtype))
+        dbias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dx, None, None, dbias, None, None, None
