@@ -61,11 +61,8 @@ def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
 
 
 def _adamw(params: Any, fused: bool, capturable: bool = False) -> torch.optim.AdamW:
-    """Every method's optimizer. The fused kernel keeps its step count on the device, so a
-    CUDA graph can capture it without `capturable`."""
-    if fused:
-        return torch.optim.AdamW(params, lr=1e-4, fused=True)
-    return torch.optim.AdamW(params, lr=1e-4, capturable=capturable)
+    """Every method's optimizer: foreach kernels (torch's default) or one fused kernel."""
+    return torch.optim.AdamW(params, lr=1e-4, fused=fused or None, capturable=capturable)
 
 
 def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict,
