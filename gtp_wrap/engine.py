@@ -12,12 +12,14 @@ import contextlib
 import dataclasses
 import itertools
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
 from . import fp8, fp8_triton
@@ -34,6 +36,21 @@ from .storage import FlatStorage, ShardLayout
 
 _engine_ids = itertools.count()
 _CONTAINERS = (list, tuple, dict)
+# Note: compute copies (replicated weights in the compute dtype, a kept shard copy, FP8 slots)
+# are re-made when the parameters' version counters move, which every in-place update does,
+# except fused optimizers (AdamW(fused=True) writes its parameters without moving them). So
+# every optimizer step that holds an engine's parameters also marks its copies stale; a
+# replayed CUDA graph, which runs no Python, marks them itself (graphs.py).
+_live_engines: weakref.WeakSet[GTPEngine] = weakref.WeakSet()
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for engine in list(_live_engines):
+        if engine.stepped_by(optimizer):
+            engine.invalidate_casts()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 @dataclasses.dataclass
@@ -212,6 +229,8 @@ class GTPEngine:
         if self.param_dtype is not None:
             replicated = [self._manage_replicated(plan) for plan in plans if plan.shard_dim is None]
         self.cast_params = [p for p in replicated if isinstance(p, GTPParameter)]
+        self._own_params = {id(p) for p in [*self.params, *self.cast_params]}
+        _live_engines.add(self)
         self.replicated = ReplicatedGrads(replicated, self.comm)
         if mesh.world_size > 1:
             self.replicated.register(self)
@@ -319,9 +338,13 @@ class GTPEngine:
                     p._gtp_cast.copy_(p)
                     p._gtp_cast_version = p._version
 
+    def stepped_by(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` updates parameters that have compute copies here."""
+        return any(id(p) in self._own_params for g in optimizer.param_groups for p in g["params"])
+
     def invalidate_casts(self) -> None:
         """Re-cast every compute copy at the next pass: the shards may have changed without
-        their version counters moving (a CUDA-graph replay of an optimizer step)."""
+        their version counters moving (a fused optimizer, a CUDA-graph replay)."""
         self.storage.invalidate_compute()
         for p in self.cast_params:
             p._gtp_cast_version = -1

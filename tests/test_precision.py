@@ -157,6 +157,35 @@ def test_weight_gradients_are_computed_in_the_reduce_dtype(policy: dict) -> None
     check_weight_grads_are_rounded_once(results, 0.0 if policy.get("gather_dtype") is None else 0.1)
 
 
+def _eval_after_fused_steps(rank: int, world: int, policy: dict) -> dict:
+    """An eval forward after fused-AdamW steps, and the same forward of a model wrapped afresh
+    from the trained weights (whose compute copies are new by construction)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, d=32, layers=2, heads=4, ffn=64, max_seq=16)
+    model = GTPWrap(GPT(cfg), policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    x = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        trained = model(x).float()
+    fresh = GPT(cfg)
+    fresh.load_state_dict(gtp_wrap.full_state_dict(model))
+    with torch.no_grad():
+        return {"trained": trained, "fresh": GTPWrap(fresh, policy)(x).float()}
+
+
+@pytest.mark.parametrize("policy", [BF16, BF16 | {"compute_copy": True}, FP8],
+                         ids=["bf16", "compute_copy", "fp8"])  # fmt: skip
+def test_fused_optimizer_steps_reach_the_compute_copies(policy: dict) -> None:
+    """A fused optimizer updates parameters without moving their version counters; the
+    compute-dtype copies (replicated weights, kept shard copies, FP8 slots) follow anyway."""
+    for r in run_ranks(_eval_after_fused_steps, 2, policy):
+        assert torch.equal(r["trained"], r["fresh"])
+
+
 def test_fp8_round_trip_is_within_the_e4m3_bound() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, fp8.BLOCK, generator=g) * torch.logspace(-4, 2, 64)[:, None]
