@@ -19,59 +19,91 @@ import json
 import os
 import pstats
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from bench_step import METHODS, MODELS, _build, batch_of, common_args, method_step
 
 import gtp_wrap
+from gtp_wrap import fp8, linear
 from gtp_wrap.engine import GTPEngine
+from gtp_wrap.linear import ShardedLinear
 from gtp_wrap.parameter import GTPParameter, is_use
 
 
 class HookTimer:
-    """Accumulates host time inside GTP's hooks, minus the time of the ops they wrap."""
+    """Accumulates host time inside GTP's hooks, minus the compute they run.
+
+    Hooks: the interception of a use (`__torch_function__`), saved-tensor pack and unpack, the
+    backward of the engine's own linear, the reduce-scatter issue. Compute: the intercepted op,
+    and inside the engine's linear its GEMMs. A hook inside a hook counts once; a hook inside
+    compute (autograd packing what an op saves) counts as hook time.
+    """
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.enabled = False
-        timer = self
+        self._depth = 0  # hooks open outside compute
+        self._computing = False
+        self._inner = 0.0  # compute time inside the outermost open hook
+        self._hooks_in_compute = 0.0  # hook time inside the open compute
         orig_tf = GTPParameter.__torch_function__.__func__  # type: ignore[attr-defined]
+        timer = self
 
         def torch_function(cls, func, types, args=(), kwargs=None):
             if not timer.enabled or not is_use(func):
                 return orig_tf(cls, func, types, args, kwargs)
-            inner = [0.0]
-
-            def timed(*a, **k):
-                t = time.perf_counter()
-                r = func(*a, **k)
-                inner[0] += time.perf_counter() - t
-                return r
-
-            t0 = time.perf_counter()
-            result = orig_tf(cls, timed, types, args, kwargs)
-            timer.seconds += time.perf_counter() - t0 - inner[0]
-            return result
+            return timer._hook(orig_tf, cls, timer._compute(func), types, args, kwargs)
 
         GTPParameter.__torch_function__ = classmethod(torch_function)  # type: ignore[assignment]
         for name in ("_pack", "_unpack", "reduce_grad"):
-            self._wrap(name)
+            setattr(GTPEngine, name, self._hooked(getattr(GTPEngine, name)))
+        ShardedLinear.backward = staticmethod(self._hooked(ShardedLinear.backward))
+        linear.F = SimpleNamespace(linear=self._compute(F.linear))  # the linear's own GEMMs
+        linear.weight_grad = self._compute(linear.weight_grad)
+        fp8.linear_forward = self._compute(fp8.linear_forward)
+        torch.Tensor.__matmul__ = self._compute(torch.Tensor.__matmul__)
 
-    def _wrap(self, name: str) -> None:
-        orig = getattr(GTPEngine, name)
-        timer = self
+    def _hooked(self, fn: Callable) -> Callable:
+        def wrapped(*a, **k):
+            return self._hook(fn, *a, **k) if self.enabled else fn(*a, **k)
 
-        def wrapped(engine, *a, **k):
-            if not timer.enabled:
-                return orig(engine, *a, **k)
-            t = time.perf_counter()
-            r = orig(engine, *a, **k)
-            timer.seconds += time.perf_counter() - t
-            return r
+        return wrapped
 
-        setattr(GTPEngine, name, wrapped)
+    def _hook(self, fn: Callable, *a, **k):
+        if self._depth and not self._computing:
+            return fn(*a, **k)  # inside a hook already: counted there
+        saved = (self._computing, self._inner)
+        self._computing, self._inner = False, 0.0
+        self._depth += 1
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            elapsed = time.perf_counter() - start
+            self.seconds += elapsed - self._inner
+            self._depth -= 1
+            self._computing, self._inner = saved
+            if self._computing:
+                self._hooks_in_compute += elapsed
+
+    def _compute(self, fn: Callable) -> Callable:
+        def timed(*a, **k):
+            if not self._depth or self._computing:
+                return fn(*a, **k)
+            self._computing, self._hooks_in_compute = True, 0.0
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self._inner += time.perf_counter() - start - self._hooks_in_compute
+                self._computing = False
+
+        return timed
 
 
 def _intervals(events: list[dict], pred) -> list[tuple[float, float]]:

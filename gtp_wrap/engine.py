@@ -45,9 +45,9 @@ _live_engines: weakref.WeakSet[GTPEngine] = weakref.WeakSet()
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for engine in list(_live_engines):
-        if engine.stepped_by(optimizer):
-            engine.invalidate_casts()
+        engine.invalidate_casts(stepped)
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
@@ -166,11 +166,11 @@ class GTPEngine:
         self.fqns = [p.fqns for p in sharded]
         self.param_dtype = policy_dtype(policy.param_dtype)
         self.reduce_dtype = policy_dtype(policy.reduce_dtype)
-        # F.linear uses run through the engine's own linear (linear.py) where the weight
-        # gradient's dtype differs from the compute dtype, and for FP8 GEMMs.
-        self._own_linear = self.fp8_matmul or (
-            self.param_dtype is not None and self.reduce_dtype not in (None, self.param_dtype)
-        )
+        # F.linear uses run through the engine's own linear (linear.py) where half-precision
+        # compute meets fp32 reductions (the GEMM then writes fp32 weight gradients), and for
+        # FP8 GEMMs.
+        half = self.param_dtype in (torch.bfloat16, torch.float16)
+        self._own_linear = self.fp8_matmul or (half and self.reduce_dtype == torch.float32)
         # Note: by default no param_dtype copy of the shards is kept: each gather casts 1/N of
         # its weight into its own part of the gather buffer. On 2xH200 (1.36B, batch 1-8) that
         # moved step time only within run-to-run noise, while the copy (compute_copy, cast once per
@@ -229,7 +229,6 @@ class GTPEngine:
         if self.param_dtype is not None:
             replicated = [self._manage_replicated(plan) for plan in plans if plan.shard_dim is None]
         self.cast_params = [p for p in replicated if isinstance(p, GTPParameter)]
-        self._own_params = {id(p) for p in [*self.params, *self.cast_params]}
         _live_engines.add(self)
         self.replicated = ReplicatedGrads(replicated, self.comm)
         if mesh.world_size > 1:
@@ -338,16 +337,15 @@ class GTPEngine:
                     p._gtp_cast.copy_(p)
                     p._gtp_cast_version = p._version
 
-    def stepped_by(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether `optimizer` updates parameters that have compute copies here."""
-        return any(id(p) in self._own_params for g in optimizer.param_groups for p in g["params"])
-
-    def invalidate_casts(self) -> None:
-        """Re-cast every compute copy at the next pass: the shards may have changed without
-        their version counters moving (a fused optimizer, a CUDA-graph replay)."""
-        self.storage.invalidate_compute()
+    def invalidate_casts(self, stepped: set[int] | None = None) -> None:
+        """Re-cast at the next pass the compute copies of the parameters whose ids are in
+        `stepped` (None: all of them): they may have changed without their version counters
+        moving (a fused optimizer, a CUDA-graph replay). The shard copies go together."""
+        if stepped is None or any(id(p) in stepped for p in self.params):
+            self.storage.invalidate_compute()
         for p in self.cast_params:
-            p._gtp_cast_version = -1
+            if stepped is None or id(p) in stepped:
+                p._gtp_cast_version = -1
 
     # ---- passes -------------------------------------------------------------------------
 
@@ -490,7 +488,7 @@ class GTPEngine:
         """Run `func` with each sharded parameter among its args replaced by the full weight."""
         if not self._passes:
             self._ensure_backward()  # a checkpoint recompute: uses inside backward
-        lay = self._linear_layout(func, args) if self._own_linear else None
+        lay = self._linear_layout(func, args, kwargs) if self._own_linear else None
         if lay is not None:
             return self._linear(lay, *args, **kwargs)
         full: dict[int, torch.Tensor] = {}
@@ -514,16 +512,23 @@ class GTPEngine:
         w = self.gather(p._gtp_layout)
         return _RouteGrad.apply(p, w, self, p._gtp_layout) if grad else w
 
-    def _linear_layout(self, func: Callable, args: tuple) -> ShardLayout | None:
+    def _linear_layout(self, func: Callable, args: tuple, kwargs: dict) -> ShardLayout | None:
         """The layout of the weight if this use is an F.linear that takes the engine's own
-        linear (see `_own_linear`): a sharded weight, an input in the compute dtype."""
+        linear (see `_own_linear`): a sharded 2-D weight, an input in the compute dtype, no
+        bias or a 1-D one, and no autocast to another dtype."""
         if func is not F.linear or len(args) < 2 or type(args[1]) is not GTPParameter:
             return None
         x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
         lay = weight._gtp_layout
         if lay is None or len(lay.shape) != 2 or type(x) is GTPParameter:
             return None
-        if x.dtype != self.param_dtype or x.shape[-1] != lay.shape[1]:
+        if x.dtype != self.param_dtype or x.dim() == 0 or x.shape[-1] != lay.shape[1]:
+            return None
+        if bias is not None and bias.dim() != 1:
+            return None
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype:
             return None
         if self.fp8_matmul and self._fp8_gemm[lay.index]:
             return lay

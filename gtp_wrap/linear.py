@@ -25,12 +25,32 @@ if TYPE_CHECKING:
 
 
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grad.T @ x (both 2-D, in the compute dtype) as a `dtype` tensor, rounded once."""
+    """grad.T @ x (both 2-D, in the compute dtype) as a `dtype` tensor: rounded once when
+    `dtype` is fp32 (the engine's route), else the compute-dtype product cast."""
     if grad.dtype == dtype:
         return grad.t() @ x
+    if dtype != torch.float32:
+        return (grad.t() @ x).to(dtype)
     if grad.is_cuda:
         return torch.mm(grad.t(), x, out_dtype=dtype)
     return grad.t().to(dtype) @ x.to(dtype)
+
+
+def _will_run(ctx, index: int) -> bool:
+    """Whether this backward needs the gradient of input `index`.
+
+    Note: `ctx.needs_input_grad` is fixed at forward time, while autograd's own nodes compute
+    only what the running backward asks for: `autograd.grad(loss, x)` or
+    `backward(inputs=[x])` must not reduce-scatter weight gradients. The engine knows which
+    nodes it will run; asked about a node outside the graph it raises, and then the gradient
+    is computed, as before.
+    """
+    if not ctx.needs_input_grad[index]:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(ctx.next_functions[index][0])
+    except RuntimeError:
+        return True
 
 
 class ShardedLinear(torch.autograd.Function):
@@ -40,7 +60,7 @@ class ShardedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, param, w, bias, engine, layout, scale):  # type: ignore[override]
-        ctx.engine, ctx.layout, ctx.has_bias = engine, layout, bias is not None
+        ctx.engine, ctx.layout, ctx.param = engine, layout, param
         ctx.save_for_backward(x)
         if scale is None:
             return F.linear(x, w, bias)
@@ -54,10 +74,12 @@ class ShardedLinear(torch.autograd.Function):
         engine._ensure_backward()
         g = grad.reshape(-1, lay.shape[0])
         dx = None
-        if ctx.needs_input_grad[0]:  # the weight is re-gathered only when the input needs it
-            dx = (g @ engine.gather(lay)).reshape(x.shape)
-        if ctx.needs_input_grad[1]:
+        if _will_run(ctx, 0):  # the weight is re-gathered only when the input needs it
+            # With create_graph, dx stays differentiable in the weight, as autograd's is.
+            w = engine._full_weight(ctx.param) if torch.is_grad_enabled() else engine.gather(lay)
+            dx = (g @ w).reshape(x.shape)
+        if _will_run(ctx, 1):
             dtype = engine.reduce_dtype or g.dtype
             engine.reduce_grad(lay, weight_grad(g, x.reshape(-1, x.shape[-1]), dtype))
-        dbias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        dbias = g.sum(0) if _will_run(ctx, 3) else None
         return dx, None, None, dbias, None, None, None

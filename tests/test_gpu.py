@@ -11,6 +11,7 @@ import traceback
 import pytest
 import torch
 from conftest import run_ranks
+from test_linear import MLP, TOL, _compare, _inputs, _reference
 from test_parity import CASES, _model, _train
 from test_precision import (
     BF16,
@@ -78,6 +79,30 @@ def test_weight_gradients_come_out_of_the_gemm_in_fp32() -> None:
     """On CUDA the weight-gradient GEMM writes fp32 itself (torch.mm's out_dtype)."""
     results = run_ranks(_linear_grads, 2, BF16, True, backend="nccl")
     check_weight_grads_are_rounded_once(results, dx_tol=1e-2)
+
+
+def _dtype_pairs(rank: int, world: int) -> dict:
+    device = torch.device("cuda", rank)
+    x = _inputs(world)[rank].to(device)
+
+    def loss_of(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).float().square().sum()
+
+    ref, out = _reference(world, loss_of), {}
+    for param_dtype, reduce_dtype in (("float32", "bfloat16"), ("bfloat16", "float16")):
+        torch.manual_seed(0)
+        policy = {"min_shard_numel": 0, "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+        model = GTPWrap(MLP().to(device), policy)
+        loss_of(model, x.clone().requires_grad_()).backward()
+        out[f"{param_dtype}/{reduce_dtype}"] = max(_compare(model, ref).values())
+    return out
+
+
+def test_other_dtype_pairs_keep_autograds_linear() -> None:
+    """Only bf16/fp16 compute with fp32 reductions takes the engine's linear; other pairs the
+    policy allows train through autograd's (the fp32-output GEMM takes no other pair)."""
+    for errors in run_ranks(_dtype_pairs, 2, timeout=120, backend="nccl"):
+        assert max(errors.values()) < TOL, errors
 
 
 def test_fp8_gemm_on_hopper_trains_like_bf16() -> None:
