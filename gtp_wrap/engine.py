@@ -556,8 +556,7 @@ class GTPEngine:
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         ):
             return ShardedLinear.apply(x, weight, w, bias, self, lay, scale)
-        if scale is None:
-            return F.linear(x, w, bias)
+        assert scale is not None  # without autograd only FP8 GEMMs take this route
         return fp8.linear_forward(x, w, scale, lay, bias)
 
     def gather(self, lay: ShardLayout, packed: bool = False) -> torch.Tensor:
