@@ -6,8 +6,11 @@ every gathered gradient once more (5.1 ms of a 76.6 ms graphed step at 1.36B, ba
 `benchmarks/profile_gtp.py`). The GEMM can write fp32 itself (cuBLAS accumulates in fp32
 anyway), so uses that are F.linear take this path: the forward is F.linear as before, the
 input gradient is the same GEMM autograd runs, and the weight gradient is one GEMM with an fp32
-output: the unrounded sum, as Megatron-LM's fp32 gradient accumulation keeps it. On CPU, where
-the GEMM has no output dtype, the operands are upcast instead, which computes the same products.
+output: the bf16 products summed and rounded once in fp32, as Megatron-LM's fp32 gradient
+accumulation keeps them. On CPU, where the GEMM has no output dtype, the operands are upcast
+instead, which computes the same products. Uses that autograd's linear handles differently
+(autocast to another dtype, a bias that is not 1-D) keep autograd's linear (see
+`GTPEngine._linear_layout`).
 """
 
 from __future__ import annotations
