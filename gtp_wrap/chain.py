@@ -4,9 +4,9 @@ A pass (a forward with grad, a forward without grad, a backward) replays the cha
 recorded last time. The chain is cut into groups of consecutive uses (see `Chain`); a group's
 gathers are issued together as one collective. While the uses match the chain, each use finds
 its weight already gathered, and the first use of a group issues the next group; only the chain
-head blocks. A use that does not match marks
-the pass diverged: the gathers in flight are drained (every rank issued the same ones, because
-they followed the same chain) and the pass gathers synchronously and records anew.
+head blocks. A use that does not match marks the pass diverged: the gathers in flight are
+drained (every rank issued the same ones, because they followed the same chain) and the pass
+gathers synchronously and records anew.
 """
 
 from __future__ import annotations

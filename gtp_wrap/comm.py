@@ -77,12 +77,9 @@ class Comm:
 
         Note: each output gets its own Pending, waited for by whoever uses that output: on NCCL
         a wait orders only the calling stream, so one wait for the group would not cover an
-        output used later on another stream. On NCCL they share the group's one Work.
+        output used later on another stream. On NCCL they share the group's one Work. (A GTP
+        group of one gathers nothing: the engine reads its local copy instead.)
         """
-        if self.mesh.gtp_size == 1:
-            for out, shard in zip(outs, shards):
-                out.copy_(shard)
-            return [Pending((), what) for _ in outs]
         # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
         # checks per call, paid on every weight use.
         group = self.mesh.gtp_group

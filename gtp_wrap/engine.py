@@ -183,9 +183,9 @@ class GTPEngine:
         self.storage = FlatStorage(
             self.layouts, self.device, self.param_dtype if keep_copy else None
         )
+        # Per weight: whether its F.linear uses run as FP8 GEMMs, with one scale per row.
+        self._fp8_gemm = [self.fp8_matmul and fp8.fits_gemm(lay) for lay in self.layouts]
         if self.fp8:
-            # One scale per row for the weights the FP8 GEMM takes (see fp8.py).
-            self._fp8_gemm = [self.fp8_matmul and fp8.fits_gemm(lay) for lay in self.layouts]
             self._fused_dequant = [
                 fp8_triton.available(self.device, lay.slot_numel) for lay in self.layouts
             ]
@@ -208,6 +208,7 @@ class GTPEngine:
         self.keep_buffers = False
         self._sync_from_rank0(plans)
         self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]
+        self._gathered_numels = [lay.gathered_numel for lay in self.layouts]  # chain groups
         # Views used on every weight use, made once here rather than per use.
         self._slots = [lay.slot(self.storage.compute[lay.dtype]) for lay in self.layouts]
         self._local_compute = [
@@ -404,9 +405,8 @@ class GTPEngine:
                 "collectively, so every rank must run the same weights in the same order "
                 "(make data-dependent branches agree across ranks)"
             )
-        numels = [lay.gathered_numel for lay in self.layouts]
         self._chains[(state.kind, state.scope)] = Chain.build(
-            state.recorded, numels, self.policy.group_numel
+            state.recorded, self._gathered_numels, self.policy.group_numel
         )
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
@@ -530,7 +530,7 @@ class GTPEngine:
         device = x.device.type
         if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype:
             return None
-        if self.fp8_matmul and self._fp8_gemm[lay.index]:
+        if self._fp8_gemm[lay.index]:
             return lay
         return lay if torch.is_grad_enabled() and weight.requires_grad else None
 
@@ -546,7 +546,7 @@ class GTPEngine:
         if type(bias) is GTPParameter:
             bias = self._full_weight(bias)
         scale = None
-        if self.fp8_matmul and self._fp8_gemm[lay.index]:
+        if self._fp8_gemm[lay.index]:
             w, scale = fp8.unpack_rows(self.gather(lay, packed=True), lay.world,
                                        lay.rows_per_rank, lay.row_numel)  # fmt: skip
             self.stats.fp8_matmuls += 1
@@ -612,13 +612,8 @@ class GTPEngine:
             bufs.append(buf)
             sends.append(send)
             self.stats.bytes_gathered += buf.nbytes
-        if len(lays) == 1:
-            what = self._gather_what[state.kind][lays[0].index]
-        else:
-            what = (
-                f"all-gather of '{lays[0].fqn}' ... '{lays[-1].fqn}' ({len(lays)} weights, "
-                f"{state.kind.value} pass, step {{step}})"
-            )
+        context = f"{state.kind.value} pass, "
+        what = _collective_what(lays, self._gather_what[state.kind], "all-gather of", context)
         pendings = self.comm.all_gather([b.tensor for b in bufs], sends, what)
         self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.gather_bytes())
         self.stats.gathers += len(lays)
@@ -723,13 +718,7 @@ class GTPEngine:
         if not group.grads:
             return
         lays = [g.layout for g in group.grads]
-        if len(lays) == 1:
-            what = self._reduce_what[lays[0].index]
-        else:
-            what = (
-                f"reduce-scatter of the gradients of '{lays[0].fqn}' ... '{lays[-1].fqn}' "
-                f"({len(lays)} weights, step {{step}})"
-            )
+        what = _collective_what(lays, self._reduce_what, "reduce-scatter of the gradients of", "")
         group.pending = self.comm.reduce_scatter([g.out for g in group.grads], group.fulls, what)
         group.fulls = []  # the collective holds its inputs until it completes
         self.stats.reduce_scatters += len(lays)
@@ -777,6 +766,15 @@ class GTPEngine:
 
     def reset_stats(self) -> None:
         self.stats = Stats(peak_gathered_bytes=self.gather_bytes())
+
+
+def _collective_what(lays: list[ShardLayout], one: list[str], action: str, context: str) -> str:
+    """The error description of a collective over `lays`: a weight's own (`one`, made at wrap
+    time), or for a group its first and last weights; Comm fills in the step."""
+    if len(lays) == 1:
+        return one[lays[0].index]
+    first, last = lays[0].fqn, lays[-1].fqn
+    return f"{action} '{first}' ... '{last}' ({len(lays)} weights, {context}step {{step}})"
 
 
 class _CastGrad(torch.autograd.Function):
