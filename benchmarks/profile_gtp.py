@@ -134,11 +134,27 @@ def _is_gemm(name: str) -> bool:
     return any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul"))
 
 
+def _is_comm(name: str) -> bool:
+    """NCCL's kernels, and the barriers of the copy-engine collectives (symmetric memory)."""
+    n = name.lower()
+    return "nccl" in n or "barrier" in n
+
+
 def analyse_trace(path: Path, steps: int) -> dict:
     trace = json.loads(path.read_text())
     kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
     gemms = _intervals(kernels, _is_gemm)
-    out = {}
+    # Copy-engine collectives move their bytes as memcpys, not kernels.
+    copies = [e for e in trace["traceEvents"] if e.get("cat") == "gpu_memcpy" and "dur" in e]
+    spans = _intervals(copies, lambda n: True)
+    busy = sum(e - s for s, e in spans)
+    out = {
+        "memcpy": {
+            "count_per_step": len(copies) / steps,
+            "ms_per_step": busy / steps / 1e3,
+            "overlapped_with_gemm_share": _overlap(spans, gemms) / busy if busy else None,
+        }
+    }
     for label, key in (("all_gather", "allgather"), ("reduce_scatter", "reducescatter")):
         spans = _intervals(kernels, lambda n, k=key: "nccl" in n.lower() and k in n.lower())
         busy = sum(e - s for s, e in spans)
@@ -148,8 +164,8 @@ def analyse_trace(path: Path, steps: int) -> dict:
             "overlapped_with_gemm_share": _overlap(spans, gemms) / busy if busy else None,
         }
     out["gemm_kernels"] = len(gemms)
-    nccl = [e for e in kernels if "nccl" in e["name"].lower()]
-    compute = _intervals(kernels, lambda n: "nccl" not in n.lower())
+    nccl = [e for e in kernels if _is_comm(e["name"])]
+    compute = _intervals(kernels, lambda n: not _is_comm(n))
     busy = _overlap([(compute[0][0], max(e for _, e in compute))], compute) if compute else 0.0
     gemm_us = sum(e - s for s, e in gemms)
     by_name: dict[str, list[float]] = {}
@@ -165,7 +181,7 @@ def analyse_trace(path: Path, steps: int) -> dict:
         "gemm": gemm_us / steps / 1e3,
         "other_compute": (sum(e - s for s, e in compute) - gemm_us) / steps / 1e3,
         "compute_stream_busy": busy / steps / 1e3,
-        "nccl": sum(e["dur"] for e in nccl) / steps / 1e3,
+        "collective_kernels": sum(e["dur"] for e in nccl) / steps / 1e3,
     }
     return out
 

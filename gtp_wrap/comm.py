@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from .copy_engine import CopyEngineCollectives, StreamWork
 from .errors import CollectiveError, CollectiveTimeoutError
 from .mesh import GTPMesh
 
@@ -32,7 +33,7 @@ class Pending:
     """An issued collective (on gloo, a group's collectives) and a description of it for error
     messages."""
 
-    works: tuple[dist.Work, ...]
+    works: tuple[dist.Work | StreamWork, ...]
     what: str
 
 
@@ -43,10 +44,13 @@ _PEER_TROUBLE = ("timed out", "timeout", "peer", "pair closure", "broken pipe", 
 
 class Comm:
     """The collectives of one engine: gathers and reduce-scatters over the GTP group,
-    all-reduces over the dp group and over the world."""
+    all-reduces over the dp group and over the world. With `copy_engine`, gathers and
+    reduce-scatters go through it instead of the process group."""
 
     def __init__(self, mesh: GTPMesh, timeout_s: float, tag: str, average: bool) -> None:
         self.mesh = mesh
+        self.copy_engine: CopyEngineCollectives | None = None
+        self._average = average
         # Gradient reductions average (the mean over data ranks, applied once per axis by the
         # collective itself: no extra scaling kernel) or sum, as the policy says.
         self.grad_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
@@ -82,6 +86,9 @@ class Comm:
         """
         # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
         # checks per call, paid on every weight use.
+        if self.copy_engine is not None:
+            copies = self.copy_engine.all_gather(outs, shards)
+            return [Pending((copies,), what) for _ in outs]
         group = self.mesh.gtp_group
         if len(outs) > 1 and not self._gloo:
             work = group.allgather_into_tensor_coalesced(outs, shards)
@@ -96,6 +103,8 @@ class Comm:
             for out, full in zip(outs, fulls):
                 out.copy_(full)
             return Pending((), what)
+        if self.copy_engine is not None:
+            return Pending((self.copy_engine.reduce_scatter(outs, fulls, self._average),), what)
         group, opts = self.mesh.gtp_group, self._rs_opts
         if len(outs) > 1 and not self._gloo:
             return Pending((group.reduce_scatter_tensor_coalesced(outs, fulls, opts),), what)
@@ -128,8 +137,8 @@ class Comm:
         for work in works:
             self._wait_one(work, pending.what)
 
-    def _wait_one(self, work: dist.Work, what: str) -> None:
-        if not self._gloo:
+    def _wait_one(self, work: dist.Work | StreamWork, what: str) -> None:
+        if not self._gloo or isinstance(work, StreamWork):
             work.wait()
             return
         try:

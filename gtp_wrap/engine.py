@@ -26,6 +26,7 @@ from . import fp8, fp8_triton
 from .buffers import GatherBufferPool
 from .chain import Chain, Gather, PassKind, PassState, first_difference
 from .comm import Comm, Pending, stable_hash
+from .copy_engine import CopyEngineCollectives
 from .errors import ChainMismatchError, GraphCaptureError, PolicyError, WrapError
 from .linear import ShardedLinear
 from .mesh import GTPMesh
@@ -35,6 +36,7 @@ from .replicated import ReplicatedGrads
 from .storage import FlatStorage, ShardLayout
 
 _engine_ids = itertools.count()
+_MIN_WORKSPACE = 16 << 20  # bytes of copy-engine workspace, whatever group_numel says
 _CONTAINERS = (list, tuple, dict)
 # Note: compute copies (replicated weights in the compute dtype, a kept shard copy, FP8 slots)
 # are re-made when the parameters' version counters move, which every in-place update does,
@@ -144,6 +146,14 @@ class GTPEngine:
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
 
         self._check_ranks_agree(plans)
+        if policy.collectives == "copy_engine" and mesh.gtp_size > 1:
+            # After the agreement check: setting up the workspace is a collective of its own.
+            self.comm.copy_engine = CopyEngineCollectives(
+                mesh.gtp_group,  # type: ignore[arg-type]
+                mesh_device,
+                nbytes=max(4 * policy.group_numel, _MIN_WORKSPACE),
+                timeout_s=policy.collective_timeout_s,
+            )
         if policy.gather_dtype is not None:
             try:
                 fp8.fp8_dtype()
@@ -244,7 +254,7 @@ class GTPEngine:
     # dtypes: ranks that differ in one would pair unrelated collectives.
     _AGREED_FIELDS = (
         "prefetch_depth", "group_numel", "loss_reduction", "param_dtype", "reduce_dtype",
-        "gather_dtype", "fp8_matmul",
+        "gather_dtype", "fp8_matmul", "collectives",
     )  # fmt: skip
 
     def _check_ranks_agree(self, plans: list[ParameterPlan]) -> None:

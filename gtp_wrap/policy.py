@@ -123,6 +123,12 @@ class GTPPolicy:
             (torch._scaled_mm, on GPUs with FP8 tensor cores and on CPUs): weights are then
             quantized with one scale per row and fed to the GEMM without dequantization, and
             activations are quantized per row on the fly. Backward stays in param_dtype.
+        collectives: what moves gathers and reduce-scatters. "process_group" (default): the
+            process group's collectives (NCCL kernels on GPUs, gloo on CPUs). "copy_engine":
+            the GPUs' copy engines over NVLink, through a symmetric-memory workspace of
+            4 x group_numel bytes (at least 16 MiB), so the transfers take no SMs from the
+            GEMMs they overlap (see the Note in copy_engine.py); needs the GTP group's GPUs on
+            one host with peer access. Replicated all-reduces stay on the process group.
     """
 
     rules: tuple[LayerRule, ...] = (
@@ -140,6 +146,7 @@ class GTPPolicy:
     reduce_dtype: str | None = None
     gather_dtype: str | None = None
     fp8_matmul: bool = False
+    collectives: Literal["process_group", "copy_engine"] = "process_group"
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -161,6 +168,11 @@ class GTPPolicy:
         if self.gather_dtype not in (None, "fp8", "float8_e4m3fn"):
             raise PolicyError(
                 f"gather_dtype={self.gather_dtype!r} is not supported; use 'fp8' or null"
+            )
+        if self.collectives not in ("process_group", "copy_engine"):
+            raise PolicyError(
+                f"collectives={self.collectives!r} is not supported; use 'process_group' or "
+                "'copy_engine'"
             )
         bf16 = _DTYPES.get(self.param_dtype or "") is torch.bfloat16
         if self.fp8_matmul and (self.gather_dtype is None or not bf16):

@@ -31,7 +31,7 @@ pytestmark = [
 ]
 
 
-def _nccl_cases(rank: int, world: int) -> dict:
+def _nccl_cases(rank: int, world: int, collectives: str) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda", rank)
@@ -41,7 +41,8 @@ def _nccl_cases(rank: int, world: int) -> dict:
             ref_model = _model(case).to(device)
             summed = case.policy.get("loss_reduction") == "sum"
             ref = _train(case, ref_model, 0, 1, wrapped=False, loss_scale=world if summed else 1.0)
-            model = GTPWrap(_model(case).to(device), case.policy)
+            policy = {**case.policy, "collectives": collectives}
+            model = GTPWrap(_model(case).to(device), policy)
             got = _train(case, model, rank, world, wrapped=True)
             full = gtp_wrap.full_state_dict(model)
             param_diff = max(
@@ -56,9 +57,10 @@ def _nccl_cases(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize("collectives", ["process_group", "copy_engine"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_nccl_parity(name: str) -> None:
-    results = _results()
+def test_nccl_parity(name: str, collectives: str) -> None:
+    results = _results(collectives)
     for rank, per_case in enumerate(results):
         got = per_case[name]
         assert "error" not in got, f"rank {rank}:\n{got.get('error')}"
@@ -66,13 +68,13 @@ def test_nccl_parity(name: str) -> None:
         assert got["loss_diff"] < 1e-4, got
 
 
-_cache: list = []
+_cache: dict[str, list] = {}
 
 
-def _results() -> list:
-    if not _cache:
-        _cache.append(run_ranks(_nccl_cases, 2, timeout=300, backend="nccl"))
-    return _cache[0]
+def _results(collectives: str) -> list:
+    if collectives not in _cache:
+        _cache[collectives] = run_ranks(_nccl_cases, 2, collectives, timeout=300, backend="nccl")
+    return _cache[collectives]
 
 
 def test_weight_gradients_come_out_of_the_gemm_in_fp32() -> None:

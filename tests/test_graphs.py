@@ -48,18 +48,18 @@ def _batch(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, to
 OPTIMIZERS = ("capturable", "fused", "outside")
 
 
-def _fresh(device: torch.device, capturable: bool, fused: bool = False):
+def _fresh(device: torch.device, capturable: bool, fused: bool = False, policy: dict = POLICY):
     torch.manual_seed(0)
-    model = GTPWrap(GPT(CFG).to(device), POLICY)
+    model = GTPWrap(GPT(CFG).to(device), policy)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=capturable, fused=fused)
     return model, opt
 
 
-def _train(rank: int, graphed: bool, optimizer: str) -> dict:
+def _train(rank: int, graphed: bool, optimizer: str, policy: dict = POLICY) -> dict:
     """STEPS steps of the reference GPT, eager or graphed; returns losses, weights, evals."""
     device = torch.device("cuda", rank)
     optimizer_in_graph = optimizer != "outside"
-    model, opt = _fresh(device, capturable=optimizer_in_graph, fused=optimizer == "fused")
+    model, opt = _fresh(device, optimizer_in_graph, optimizer == "fused", policy)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())

@@ -1,0 +1,221 @@
+"""Gathers and reduce-scatters moved by the GPUs' copy engines over NVLink, not by SM kernels.
+
+Note: why. An NCCL collective is a kernel: it occupies SMs for as long as it runs, and the GEMMs
+it overlaps run on what is left. On 2xH200 one layer's GEMMs ran 1.62x slower beside NCCL
+all-gathers than alone, and 1.03x beside peer copies (benchmarks/contention.py), which the
+copy engines carry without SMs. At batch 1 that slowdown, not the exposed communication, was
+what stood between the graphed step and the compute floor.
+
+How. Every rank of the GTP group allocates one workspace in symmetric memory
+(`torch.distributed._symmetric_memory`): each rank can address its peers' workspaces, and a
+barrier is a tiny kernel on signal pads, so the whole collective is stream-ordered work that a
+CUDA graph captures like any other. A collective runs in rounds on one side stream:
+
+- all-gather (pull): write this rank's chunk into its own workspace; barrier (every chunk is
+  there); copy each peer's chunk out of the peer's workspace into the output; barrier (no peer
+  reads this workspace anymore, so the next round may overwrite it).
+- reduce-scatter (push, then reduce): barrier (every rank is done reading its workspace);
+  copy the part of each full gradient that a peer owns into that peer's workspace, at this
+  rank's row; barrier (every part has arrived); add the peers' rows of this rank's workspace
+  to its own part of the gradient, into its shard (one small SM kernel per piece).
+
+A round carries as many bytes as the workspace holds; larger groups take more rounds, so the
+workspace bounds the memory, not the largest weight. Work is ordered with the compute stream
+through events: the side stream waits for what the compute stream queued before the issue, and
+a consumer waits for the collective's event (`StreamWork.wait`), just as with NCCL's own
+stream. Tensors a collective reads are kept alive until that wait, so the allocator never
+reuses them under a running copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from .errors import PolicyError
+
+_ALIGN = 128  # bytes: every piece starts on this boundary in the workspace and in its tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Bytes [start, start + nbytes) of tensor `index`, at `offset` in a round's workspace."""
+
+    index: int
+    start: int
+    nbytes: int
+    offset: int
+
+
+def plan_rounds(sizes: list[int], capacity: int) -> list[list[_Piece]]:
+    """Split tensors of `sizes` bytes into rounds of pieces that each fit `capacity` bytes.
+
+    Pieces are packed in order; a tensor larger than what is left of a round is cut at an
+    aligned boundary and continues in the next round.
+    """
+    rounds: list[list[_Piece]] = [[]]
+    used = 0
+    for index, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            room = capacity - used
+            if room < _ALIGN:
+                rounds.append([])
+                used, room = 0, capacity
+            nbytes = min(size - start, room // _ALIGN * _ALIGN)
+            rounds[-1].append(_Piece(index, start, nbytes, used))
+            used += math.ceil(nbytes / _ALIGN) * _ALIGN
+            start += nbytes
+    return [r for r in rounds if r]
+
+
+class StreamWork:
+    """A collective queued on the copy-engine stream; `wait` orders the current stream after it.
+
+    Duck-types `dist.Work` for `Comm.wait`. Holds the tensors the collective reads until then.
+    """
+
+    def __init__(self, event: torch.cuda.Event, keep: tuple[torch.Tensor, ...]) -> None:
+        self._event = event
+        self._keep = keep
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream().wait_event(self._event)
+        self._keep = ()
+        return True
+
+
+class CopyEngineCollectives:
+    """All-gathers and reduce-scatters over one GTP group, through a symmetric workspace."""
+
+    def __init__(
+        self, group: dist.ProcessGroup, device: torch.device, nbytes: int, timeout_s: float
+    ) -> None:
+        if device.type != "cuda":
+            raise PolicyError(
+                "collectives: copy_engine moves data between GPUs over NVLink; on "
+                f"{device.type} use collectives: process_group"
+            )
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            # At least one aligned row per rank, for the reduce-scatter's rounds.
+            nbytes = max(nbytes, group.size() * _ALIGN) // _ALIGN * _ALIGN
+            self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            self._handle = symm_mem.rendezvous(self._local, group.group_name)
+        except (RuntimeError, ImportError, AttributeError) as e:
+            raise PolicyError(
+                "collectives: copy_engine needs CUDA symmetric memory between the GPUs of the "
+                "GTP group (one host, peer access over NVLink); it could not be set up, so use "
+                f"collectives: process_group. Cause: {e}"
+            ) from e
+        self.nbytes = nbytes
+        self.rank, self.world = self._handle.rank, self._handle.world_size
+        self._timeout_ms = int(timeout_s * 1000)
+        self._stream = torch.cuda.Stream(device)
+        # Views of the workspaces, made once per (rank, offset, numel, dtype): a group's pieces
+        # are the same every step.
+        self._views: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
+
+    def _view(self, rank: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (rank, offset, numel, dtype)
+        view = self._views.get(key)
+        if view is None:
+            size = dtype.itemsize
+            view = self._handle.get_buffer(rank, (numel,), dtype, offset // size)
+            self._views[key] = view
+        return view
+
+    def _barrier(self) -> None:
+        self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
+
+    def _run(self, body, keep: tuple[torch.Tensor, ...]) -> StreamWork:  # noqa: ANN001
+        """Queue `body` on the copy-engine stream after the current stream's queued work."""
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            body()
+            event = torch.cuda.Event()
+            event.record()
+        return StreamWork(event, keep)
+
+    def all_gather(self, outs: list[torch.Tensor], sends: list[torch.Tensor]) -> StreamWork:
+        """Gather each rank's `sends[i]` into `outs[i]` (rank-major), all in one collective.
+
+        A send may be this rank's part of its output (an in-place gather): then it is not
+        copied there again.
+        """
+        me, world = self.rank, self.world
+
+        def body() -> None:
+            sizes = [s.numel() * s.element_size() for s in sends]
+            for pieces in plan_rounds(sizes, self.nbytes):
+                for p in pieces:
+                    send = _bytes(sends[p.index], p)
+                    self._view(me, p.offset, send.numel(), send.dtype).copy_(send)
+                self._barrier()
+                for p in pieces:
+                    chunks = outs[p.index].view(world, -1)
+                    for r in range(world):
+                        if r != me:
+                            dst = _bytes(chunks[r], p)
+                            dst.copy_(self._view(r, p.offset, dst.numel(), dst.dtype))
+                self._barrier()
+            for out, send in zip(outs, sends):
+                own = out.view(world, -1)[me]
+                if own.data_ptr() != send.data_ptr():
+                    own.copy_(send)
+
+        return self._run(body, keep=())
+
+    def reduce_scatter(
+        self, outs: list[torch.Tensor], fulls: list[torch.Tensor], average: bool
+    ) -> StreamWork:
+        """Sum (or average) each `fulls[i]` over the ranks and keep this rank's chunk in
+        `outs[i]`, all in one collective.
+
+        A workspace holds one row per peer (this rank's own chunk is read where it is): the
+        row of source rank `src` in rank `dst`'s workspace is `(src - dst - 1) % world`.
+        """
+        me, world = self.rank, self.world
+        row = self.nbytes // (world - 1) // _ALIGN * _ALIGN
+
+        def body() -> None:
+            sizes = [o.numel() * o.element_size() for o in outs]
+            for pieces in plan_rounds(sizes, row):
+                self._barrier()
+                for p in pieces:
+                    chunks = fulls[p.index].view(world, -1)
+                    for r in range(world):
+                        if r != me:
+                            src = _bytes(chunks[r], p)
+                            at = (me - r - 1) % world * row + p.offset
+                            self._view(r, at, src.numel(), src.dtype).copy_(src)
+                self._barrier()
+                for p in pieces:
+                    out, own = (
+                        _bytes(outs[p.index], p),
+                        _bytes(fulls[p.index].view(world, -1)[me], p),
+                    )
+                    size = out.element_size()
+                    rows = self._local[: (world - 1) * row].view(out.dtype).view(world - 1, -1)
+                    first = p.offset // size
+                    peers = rows[:, first : first + out.numel()]
+                    # Allocation-free (a CUDA graph may be capturing): strided views, summed.
+                    if world == 2:
+                        torch.add(own, peers[0], out=out)
+                    else:
+                        torch.sum(peers, dim=0, out=out)
+                        out.add_(own)
+                    if average:
+                        out.div_(world)
+
+        return self._run(body, keep=tuple(fulls))
+
+
+def _bytes(t: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """The elements of flat `t` that a piece's byte range covers."""
+    size = t.element_size()
+    return t.view(-1)[piece.start // size : (piece.start + piece.nbytes) // size]

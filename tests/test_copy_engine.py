@@ -1,0 +1,138 @@
+"""Copy-engine collectives (policy `collectives: copy_engine`).
+
+On CPU: the round planner, and the refusal. On 2 GPUs: the collectives against NCCL's on
+sizes that need many rounds of a small workspace, the parity cases trained through them, and a
+graphed step through them equal to the eager one.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_ranks
+from test_graphs import OPTIMIZERS, POLICY
+from test_graphs import _train as _train_graphed
+
+from gtp_wrap import GTPPolicy, GTPWrap, PolicyError
+from gtp_wrap.copy_engine import CopyEngineCollectives, plan_rounds
+
+gpu = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@pytest.mark.parametrize("sizes, capacity", [([1000, 4, 384, 70000], 1024), ([256] * 9, 512)])
+def test_rounds_cover_every_byte_once_within_capacity(sizes: list[int], capacity: int) -> None:
+    rounds = plan_rounds(sizes, capacity)
+    covered: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(sizes))}
+    for pieces in rounds:
+        for p in pieces:
+            assert p.offset % 128 == 0 and p.start % 128 == 0
+            assert p.offset + p.nbytes <= capacity
+            covered[p.index].append((p.start, p.start + p.nbytes))
+        spans = sorted((p.offset, p.offset + p.nbytes) for p in pieces)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "pieces overlap"
+    for i, size in enumerate(sizes):
+        assert sorted(covered[i]) == covered[i], "a tensor's pieces go in order"
+        ends = [0] + [e for _, e in covered[i]]
+        assert [s for s, _ in covered[i]] == ends[:-1] and ends[-1] == size
+    for pieces in rounds[:-1]:  # a round closes only when less than one aligned piece fits
+        assert max(p.offset + -(-p.nbytes // 128) * 128 for p in pieces) > capacity - 128
+
+
+def test_unknown_collectives_is_a_policy_error() -> None:
+    with pytest.raises(PolicyError, match="collectives='nvlink'.*'copy_engine'"):
+        GTPPolicy(collectives="nvlink")  # type: ignore[arg-type]
+
+
+def _wrap_on_cpu(rank: int, world: int) -> str:
+    try:
+        GTPWrap(torch.nn.Linear(64, 64), {"min_shard_numel": 0, "collectives": "copy_engine"})
+    except PolicyError as e:
+        return str(e)
+    return "no error"
+
+
+def test_refused_on_cpu() -> None:
+    for message in run_ranks(_wrap_on_cpu, 2, timeout=120):
+        assert "collectives: process_group" in message and "on cpu" in message, message
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+
+
+def _against_nccl(rank: int, world: int) -> dict:
+    """Both collectives with a 1 KiB workspace (many rounds, pieces cut mid-tensor) against
+    NCCL's, on mixed sizes and dtypes, including an in-place gather."""
+    device = torch.device("cuda", rank)
+    group = dist.group.WORLD
+    ce = CopyEngineCollectives(group, device, nbytes=1024, timeout_s=60)  # type: ignore[arg-type]
+    g = torch.Generator(device=device).manual_seed(rank)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32, torch.uint8):
+        numels = [3000, 64, 77, 1]
+        sends = [torch.randint(0, 100, (n,), device=device, generator=g).to(dtype) for n in numels]
+        outs = [torch.empty(world * n, device=device, dtype=dtype) for n in numels]
+        inplace = torch.empty(world * 500, device=device, dtype=dtype)
+        inplace.view(world, -1)[rank].random_(0, 100, generator=g)
+        sends.append(inplace.view(world, -1)[rank])
+        outs.append(inplace)
+        ce.all_gather(outs, sends).wait()
+        refs = [torch.empty_like(o) for o in outs]
+        for ref, send in zip(refs, sends):
+            dist.all_gather_into_tensor(ref, send.clone())
+        out[f"gather {dtype}"] = all(torch.equal(o, r) for o, r in zip(outs, refs))
+    for dtype in (torch.float32, torch.bfloat16):
+        for average in (False, True):
+            numels = [3000, 64, 77, 1]
+            fulls = [torch.randn(world * n, device=device, generator=g).to(dtype) for n in numels]
+            outs = [torch.empty(n, device=device, dtype=dtype) for n in numels]
+            ce.reduce_scatter(outs, fulls, average).wait()
+            op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+            diffs = []
+            for o, full in zip(outs, fulls):
+                ref = torch.empty_like(o)
+                dist.reduce_scatter_tensor(ref, full.clone(), op=op)
+                diffs.append((o.float() - ref.float()).abs().max().item())
+            out[f"reduce {dtype} average={average}"] = max(diffs)
+    torch.cuda.synchronize()
+    return out
+
+
+@gpu
+def test_collectives_match_nccl() -> None:
+    """Gathers are bit-exact; two-rank sums are the same single addition NCCL does."""
+    for got in run_ranks(_against_nccl, 2, timeout=120, backend="nccl"):
+        for key, value in got.items():
+            if key.startswith("gather"):
+                assert value is True, key
+            else:
+                assert value == 0.0, (key, value)
+
+
+def _graphed_vs_eager(rank: int, world: int) -> dict:
+    policy = {**POLICY, "collectives": "copy_engine"}
+    out = {}
+    for optimizer in OPTIMIZERS[:2]:
+        try:
+            out[optimizer] = {
+                "eager": _train_graphed(rank, False, optimizer, policy),
+                "graphed": _train_graphed(rank, True, optimizer, policy),
+            }
+        except Exception:
+            out[optimizer] = {"error": traceback.format_exc()}
+    return out
+
+
+@gpu
+def test_graphed_step_equals_eager() -> None:
+    """The copy-engine collectives are captured with the step and replay bit for bit."""
+    for rank, per_rank in enumerate(run_ranks(_graphed_vs_eager, 2, timeout=200, backend="nccl")):
+        for optimizer, got in per_rank.items():
+            assert "error" not in got, f"rank {rank} {optimizer}:\n{got.get('error')}"
+            eager, graphed = got["eager"], got["graphed"]
+            assert graphed["losses"] == eager["losses"], optimizer
+            for k, v in eager["state"].items():
+                assert torch.equal(graphed["state"][k], v), (optimizer, k)
+            assert torch.equal(graphed["evals"], eager["evals"])
