@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import run_ranks
-from test_graphs import OPTIMIZERS, POLICY
+from test_graphs import CFG as GPT_CFG
+from test_graphs import OPTIMIZERS, POLICY, RoutedGPT, _regions_run
 from test_graphs import _train as _train_graphed
 
 from gtp_wrap import GTPPolicy, GTPWrap, PolicyError
@@ -111,8 +112,11 @@ def test_collectives_match_nccl() -> None:
                 assert value == 0.0, (key, value)
 
 
+COPY_ENGINE = {**POLICY, "collectives": "copy_engine"}
+
+
 def _graphed_vs_eager(rank: int, world: int) -> dict:
-    policy = {**POLICY, "collectives": "copy_engine"}
+    policy = COPY_ENGINE
     out = {}
     for optimizer in OPTIMIZERS[:2]:
         try:
@@ -136,3 +140,23 @@ def test_graphed_step_equals_eager() -> None:
             for k, v in eager["state"].items():
                 assert torch.equal(graphed["state"][k], v), (optimizer, k)
             assert torch.equal(graphed["evals"], eager["evals"])
+
+
+def _partial(rank: int, world: int) -> dict:
+    try:
+        build = lambda: RoutedGPT(GPT_CFG)  # noqa: E731
+        return {"runs": [_regions_run(rank, build, g, COPY_ENGINE) for g in (None, 0)]}
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+@gpu
+def test_partial_capture_equals_eager() -> None:
+    """Graphed regions inside an eager step: the region's captured collectives and the eager
+    ones around it share the workspace, kept apart by the engine's fence before each replay."""
+    for rank, got in enumerate(run_ranks(_partial, 2, timeout=100, backend="nccl")):
+        assert "error" not in got, f"rank {rank}:\n{got.get('error')}"
+        eager, regions = got["runs"]
+        assert regions["losses"] == eager["losses"]
+        for k, v in eager["state"].items():
+            assert torch.equal(regions["state"][k], v), k

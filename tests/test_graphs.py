@@ -164,12 +164,14 @@ class RoutedGPT(GPT):
         return self.head(self.norm(x))
 
 
-def _regions_run(rank: int, build: Callable[[], GPT], first_graphed: int | None) -> dict:
+def _regions_run(
+    rank: int, build: Callable[[], GPT], first_graphed: int | None, policy: dict = POLICY
+) -> dict:
     """STEPS eager training steps, with the blocks from `first_graphed` on captured as graphed
     regions (None: all eager)."""
     device = torch.device("cuda", rank)
     torch.manual_seed(0)
-    model = GTPWrap(build().to(device), POLICY)
+    model = GTPWrap(build().to(device), policy)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if first_graphed is not None:
         dtype = torch.bfloat16  # the compute dtype: what the blocks receive
