@@ -91,9 +91,12 @@ def no_sync(module: nn.Module) -> Iterator[None]:
 def stats(module: nn.Module) -> dict[str, Any]:
     """Gather and reduce counters since the last `reset_stats`: gathers, prefetched_gathers,
     blocking_gathers (and per pass kind), bytes_gathered, bytes_reduced, peak_gathered_bytes,
-    weight_casts (re-casts of a kept compute copy or FP8 re-quantizations: once per step) and
-    fp8_matmuls (FP8 GEMMs)."""
-    s = engine_of(module).stats
+    weight_casts (re-casts of a kept compute copy or FP8 re-quantizations: once per step),
+    fp8_matmuls (FP8 GEMMs), and workspace_bytes: the copy-engine workspaces' memory
+    (`collectives: copy_engine`; symmetric memory, which `torch.cuda.max_memory_allocated`
+    does not count)."""
+    engine = engine_of(module)
+    s = engine.stats
     return {
         "gathers": s.gathers,
         "prefetched_gathers": s.prefetched_gathers,
@@ -105,6 +108,7 @@ def stats(module: nn.Module) -> dict[str, Any]:
         "peak_gathered_bytes": s.peak_gathered_bytes,
         "weight_casts": s.weight_casts,
         "fp8_matmuls": s.fp8_matmuls,
+        "workspace_bytes": engine.comm.workspace_bytes(),
     }
 
 

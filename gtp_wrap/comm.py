@@ -44,12 +44,14 @@ _PEER_TROUBLE = ("timed out", "timeout", "peer", "pair closure", "broken pipe", 
 
 class Comm:
     """The collectives of one engine: gathers and reduce-scatters over the GTP group,
-    all-reduces over the dp group and over the world. With `copy_engine`, gathers and
-    reduce-scatters go through it instead of the process group."""
+    all-reduces over the dp group and over the world. With `gather_copies` and
+    `reduce_copies` set, gathers and reduce-scatters go through those instead of the process
+    group."""
 
     def __init__(self, mesh: GTPMesh, timeout_s: float, tag: str, average: bool) -> None:
         self.mesh = mesh
-        self.copy_engine: CopyEngineCollectives | None = None
+        self.gather_copies: CopyEngineCollectives | None = None
+        self.reduce_copies: CopyEngineCollectives | None = None
         self._average = average
         # Gradient reductions average (the mean over data ranks, applied once per axis by the
         # collective itself: no extra scaling kernel) or sum, as the policy says.
@@ -86,8 +88,8 @@ class Comm:
         """
         # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
         # checks per call, paid on every weight use.
-        if self.copy_engine is not None:
-            copies = self.copy_engine.all_gather(outs, shards)
+        if self.gather_copies is not None:
+            copies = self.gather_copies.all_gather(outs, shards)
             return [Pending((copies,), what) for _ in outs]
         group = self.mesh.gtp_group
         if len(outs) > 1 and not self._gloo:
@@ -103,14 +105,19 @@ class Comm:
             for out, full in zip(outs, fulls):
                 out.copy_(full)
             return Pending((), what)
-        if self.copy_engine is not None:
-            return Pending((self.copy_engine.reduce_scatter(outs, fulls, self._average),), what)
+        if self.reduce_copies is not None:
+            return Pending((self.reduce_copies.reduce_scatter(outs, fulls, self._average),), what)
         group, opts = self.mesh.gtp_group, self._rs_opts
         if len(outs) > 1 and not self._gloo:
             return Pending((group.reduce_scatter_tensor_coalesced(outs, fulls, opts),), what)
         return Pending(
             tuple(group._reduce_scatter_base(o, f, opts) for o, f in zip(outs, fulls)), what
         )
+
+    def workspace_bytes(self) -> int:
+        """Memory of the copy-engine workspaces (symmetric memory, outside the caching
+        allocator)."""
+        return sum(c.nbytes for c in (self.gather_copies, self.reduce_copies) if c is not None)
 
     def all_reduce(
         self, t: torch.Tensor, axis: Literal["dp", "gtp", "world"], what: str, op: Any = None

@@ -147,13 +147,23 @@ class GTPEngine:
 
         self._check_ranks_agree(plans)
         if policy.collectives == "copy_engine" and mesh.gtp_size > 1:
-            # After the agreement check: setting up the workspace is a collective of its own.
-            self.comm.copy_engine = CopyEngineCollectives(
-                mesh.gtp_group,  # type: ignore[arg-type]
-                mesh_device,
-                nbytes=max(4 * policy.group_numel, _MIN_WORKSPACE),
-                timeout_s=policy.collective_timeout_s,
-            )
+            # After the agreement check: setting up a workspace is a collective of its own.
+            # Note: gathers and reduce-scatters get a stream and a workspace each, so a
+            # backward gather, which a GEMM waits for, never queues behind a reduce-scatter,
+            # which only the next group's finalize waits for. (NCCL runs both on one stream.)
+            def copies(nbytes: int) -> CopyEngineCollectives:
+                return CopyEngineCollectives(
+                    mesh.gtp_group,  # type: ignore[arg-type]
+                    mesh_device,
+                    nbytes=max(nbytes, _MIN_WORKSPACE),
+                    timeout_s=policy.collective_timeout_s,
+                )
+
+            # Sized so that, on two ranks, one round moves a group of up to 2 x group_numel
+            # elements: this rank's half of its bf16 weights, the peer's half of its fp32
+            # gradients.
+            self.comm.gather_copies = copies(2 * policy.group_numel)
+            self.comm.reduce_copies = copies(4 * policy.group_numel)
         if policy.gather_dtype is not None:
             try:
                 fp8.fp8_dtype()

@@ -125,10 +125,12 @@ class GTPPolicy:
             activations are quantized per row on the fly. Backward stays in param_dtype.
         collectives: what moves gathers and reduce-scatters. "process_group" (default): the
             process group's collectives (NCCL kernels on GPUs, gloo on CPUs). "copy_engine":
-            the GPUs' copy engines over NVLink, through a symmetric-memory workspace of
-            4 x group_numel bytes (at least 16 MiB), so the transfers take no SMs from the
-            GEMMs they overlap (see the Note in copy_engine.py); needs the GTP group's GPUs on
-            one host with peer access. Replicated all-reduces stay on the process group.
+            memcpys over NVLink through symmetric-memory workspaces of 2 and 4 x group_numel
+            bytes (at least 16 MiB each; `gtp_wrap.stats` reports them as workspace_bytes), so
+            the transfers leave the GEMMs they overlap their SMs (see the Note in
+            copy_engine.py); needs the GTP group's GPUs on one host with peer access.
+            Replicated all-reduces stay on the process group. Pays off with
+            `graph_step`: eager, its host time per collective is higher than NCCL's.
     """
 
     rules: tuple[LayerRule, ...] = (

@@ -140,6 +140,8 @@ def test_graphed_step_equals_eager() -> None:
             for k, v in eager["state"].items():
                 assert torch.equal(graphed["state"][k], v), (optimizer, k)
             assert torch.equal(graphed["evals"], eager["evals"])
+            # Gathers and reduce-scatters each hold a workspace: 2 and 4 x group_numel bytes.
+            assert graphed["ws"] == 6 * GTPPolicy().group_numel, graphed["ws"]
 
 
 def _partial(rank: int, world: int) -> dict:

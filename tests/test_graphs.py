@@ -80,7 +80,8 @@ def _train(rank: int, graphed: bool, optimizer: str, policy: dict = POLICY) -> d
     with torch.no_grad():  # an eager pass after replays sees the replayed optimizer's weights
         evals = model(_batch(rank, 99, device)[0]).float().cpu()
     full = {k: v.cpu() for k, v in gtp_wrap.full_state_dict(model).items()}
-    return {"losses": losses, "state": full, "evals": evals, "pool": pool_bytes}
+    workspace = gtp_wrap.stats(model)["workspace_bytes"]
+    return {"losses": losses, "state": full, "evals": evals, "pool": pool_bytes, "ws": workspace}
 
 
 def _graphed_vs_eager(rank: int, world: int) -> dict:
@@ -107,6 +108,7 @@ def test_graphed_step_equals_eager(optimizer: str) -> None:
         assert torch.equal(graphed["evals"], eager["evals"])
         # Gather buffers are made in the eager warm-up steps; capture and replays add none.
         assert len(set(graphed["pool"][2:])) == 1, graphed["pool"]
+        assert graphed["ws"] == 0  # NCCL: no copy-engine workspace
 
 
 _cache: list = []
