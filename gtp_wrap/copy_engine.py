@@ -1,15 +1,18 @@
-"""Gathers and reduce-scatters moved by the GPUs' copy engines over NVLink, not by SM kernels.
+"""Gathers and reduce-scatters as memcpys over NVLink (the GPUs' copy engines), not NCCL kernels.
 
 Note: why. An NCCL collective is a kernel: it occupies SMs for as long as it runs, and the GEMMs
 it overlaps run on what is left. On 2xH200 one layer's GEMMs ran 1.62x slower beside NCCL
 all-gathers than alone, and 1.03x beside peer copies (benchmarks/contention.py), which the
-copy engines carry without SMs. At batch 1 that slowdown, not the exposed communication, was
-what stood between the graphed step and the compute floor.
+copy engines carry without SMs. In the graphed 1.36B batch-1 step that slowdown cost ~8 ms:
+GEMM time per step was 34.1 ms beside NCCL, 26.8 ms beside these collectives, 25.7 ms in the
+floor. (Not every memcpy stays off the SMs: in that step the driver ran about 240 of them as
+small `memcpy128` kernels, ~4 ms in all, most likely the same-GPU copies.)
 
 How. Every rank of the GTP group allocates one workspace in symmetric memory
 (`torch.distributed._symmetric_memory`): each rank can address its peers' workspaces, and a
 barrier is a tiny kernel on signal pads, so the whole collective is stream-ordered work that a
-CUDA graph captures like any other. A collective runs in rounds on one side stream:
+CUDA graph captures like any other. A collective runs in rounds on the instance's side stream
+(the engine keeps one instance for gathers and one for reduce-scatters):
 
 - all-gather (pull): write this rank's chunk into its own workspace; barrier (every chunk is
   there); copy each peer's chunk out of the peer's workspace into the output; barrier (no peer
