@@ -162,6 +162,13 @@ class Comm:
                 f"(raise GTPPolicy.collective_timeout_s if the peers are just slow). Cause: {e}"
             ) from e
 
+    def abandon(self, pending: Pending) -> None:
+        """Drop a collective no one will consume. On GPUs the current stream still waits for
+        it (no host sync): a copy-engine collective's inputs are freed with it, and must not be
+        reused under its copies. On gloo a wait would block on what may never come."""
+        if not self._gloo:
+            self.wait(pending)
+
     def exchange(self, purpose: str, values: list[int]) -> list[list[int]]:
         """Every world rank's `values`, through the store rather than a collective.
 

@@ -19,15 +19,17 @@ CUDA graph captures like any other. A collective runs in rounds on the instance'
   reads this workspace anymore, so the next round may overwrite it).
 - reduce-scatter (push, then reduce): barrier (every rank is done reading its workspace);
   copy the part of each full gradient that a peer owns into that peer's workspace, at this
-  rank's row; barrier (every part has arrived); add the peers' rows of this rank's workspace
-  to its own part of the gradient, into its shard (one small SM kernel per piece).
+  rank's row; barrier (every part has arrived); reduce the rows of this rank's workspace with
+  its own part of the gradient into its shard (small SM kernels: an add, and a halving for
+  the mean, per piece on two ranks).
 
 A round carries as many bytes as the workspace holds; larger groups take more rounds, so the
 workspace bounds the memory, not the largest weight. Work is ordered with the compute stream
 through events: the side stream waits for what the compute stream queued before the issue, and
 a consumer waits for the collective's event (`StreamWork.wait`), just as with NCCL's own
-stream. Tensors a collective reads are kept alive until that wait, so the allocator never
-reuses them under a running copy.
+stream. The gradients a reduce-scatter reads are kept alive until that wait, so the allocator
+never reuses them under a running copy (a gather's sends are shard slots or part of its
+output, which outlive it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def plan_rounds(sizes: list[int], capacity: int) -> list[list[_Piece]]:
     Pieces are packed in order; a tensor larger than what is left of a round is cut at an
     aligned boundary and continues in the next round.
     """
+    if capacity < _ALIGN:
+        raise ValueError(f"a round holds at least {_ALIGN} bytes, got capacity={capacity}")
     rounds: list[list[_Piece]] = [[]]
     used = 0
     for index, size in enumerate(sizes):
@@ -75,20 +79,71 @@ def plan_rounds(sizes: list[int], capacity: int) -> list[list[_Piece]]:
     return [r for r in rounds if r]
 
 
+def unsupported(device: torch.device) -> str | None:
+    """Why this rank cannot run copy-engine collectives, or None when it can."""
+    if device.type != "cuda":
+        return (
+            "collectives: copy_engine moves data between GPUs over NVLink; on "
+            f"{device.type} use collectives: process_group"
+        )
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return (
+            "collectives: copy_engine needs torch.distributed._symmetric_memory, which this "
+            f"torch build lacks ({e}); use collectives: process_group"
+        )
+    return None
+
+
 class StreamWork:
-    """A collective queued on the copy-engine stream; `wait` orders the current stream after it.
+    """A collective queued on a copy-engine stream; `wait` orders the device's current stream
+    after it.
 
     Duck-types `dist.Work` for `Comm.wait`. Holds the tensors the collective reads until then.
     """
 
-    def __init__(self, event: torch.cuda.Event, keep: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self, event: torch.cuda.Event, device: torch.device, keep: tuple[torch.Tensor, ...]
+    ) -> None:
         self._event = event
+        self._device = device
         self._keep = keep
 
     def wait(self) -> bool:
-        torch.cuda.current_stream().wait_event(self._event)
+        torch.cuda.current_stream(self._device).wait_event(self._event)
         self._keep = ()
         return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reduce:
+    """This rank's part of one reduce-scatter piece, from the rows its peers pushed."""
+
+    out: torch.Tensor
+    own: torch.Tensor  # this rank's own part of the full gradient, where it is
+    rows: torch.Tensor  # (rows, numel) strided view of the workspace
+    average: bool
+
+    def run(self) -> None:
+        """One rounding, as NCCL's two-rank sum (and its exact halving for the mean); strided
+        views, so no allocation."""
+        if self.rows.shape[0] == 1:  # two ranks: the peer's row, and this rank's own part
+            torch.add(self.own, self.rows[0], out=self.out)
+            if self.average:
+                self.out.div_(2)
+        elif self.average:
+            torch.mean(self.rows, dim=0, out=self.out)
+        else:
+            torch.sum(self.rows, dim=0, out=self.out)
+
+
+# A collective is planned as a list of steps, then queued: a (destination, source) copy, a
+# reduction, or _BARRIER. Planning makes every view first, so an error raises before any
+# barrier is queued: a rank that queued fewer barriers than its peers would pair every later
+# barrier wrongly.
+_BARRIER = None
+_Step = tuple[torch.Tensor, torch.Tensor] | _Reduce | None
 
 
 class CopyEngineCollectives:
@@ -97,26 +152,30 @@ class CopyEngineCollectives:
     def __init__(
         self, group: dist.ProcessGroup, device: torch.device, nbytes: int, timeout_s: float
     ) -> None:
-        if device.type != "cuda":
-            raise PolicyError(
-                "collectives: copy_engine moves data between GPUs over NVLink; on "
-                f"{device.type} use collectives: process_group"
-            )
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
+        import torch.distributed._symmetric_memory as symm_mem
 
-            # At least one aligned row per rank, for the reduce-scatter's rounds.
-            nbytes = max(nbytes, group.size() * _ALIGN) // _ALIGN * _ALIGN
+        self.world = group.size()
+        if self.world < 2:
+            raise ValueError("copy-engine collectives need a group of two or more ranks")
+        # A reduce-scatter's workspace holds one row per peer, and on more than two ranks one
+        # for this rank's own part too, so that one reduction rounds once.
+        self._rows = 1 if self.world == 2 else self.world
+        nbytes = max(nbytes, self._rows * _ALIGN) // _ALIGN * _ALIGN
+        try:
             self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
             self._handle = symm_mem.rendezvous(self._local, group.group_name)
-        except (RuntimeError, ImportError, AttributeError) as e:
+        except RuntimeError as e:
             raise PolicyError(
                 "collectives: copy_engine needs CUDA symmetric memory between the GPUs of the "
                 "GTP group (one host, peer access over NVLink); it could not be set up, so use "
                 f"collectives: process_group. Cause: {e}"
             ) from e
         self.nbytes = nbytes
-        self.rank, self.world = self._handle.rank, self._handle.world_size
+        self.rank = self._handle.rank
+        self._device = device
+        # Note: a barrier that waits longer than this traps on the GPU (torch's symmetric
+        # memory has no softer way out): the process dies with a CUDA error, where NCCL's
+        # watchdog would raise.
         self._timeout_ms = int(timeout_s * 1000)
         self._stream = torch.cuda.Stream(device)
         # Views of the workspaces, made once per (rank, offset, numel, dtype): a group's pieces
@@ -132,46 +191,49 @@ class CopyEngineCollectives:
             self._views[key] = view
         return view
 
-    def _barrier(self) -> None:
-        self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
-
-    def _run(self, body, keep: tuple[torch.Tensor, ...]) -> StreamWork:  # noqa: ANN001
-        """Queue `body` on the copy-engine stream after the current stream's queued work."""
-        self._stream.wait_stream(torch.cuda.current_stream())
+    def _queue(self, steps: list[_Step], keep: tuple[torch.Tensor, ...]) -> StreamWork:
+        """Queue the planned steps on the copy-engine stream, after the device's current
+        stream's queued work."""
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._stream):
-            body()
+            for step in steps:
+                if step is _BARRIER:
+                    self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
+                elif isinstance(step, _Reduce):
+                    step.run()
+                else:
+                    step[0].copy_(step[1])
             event = torch.cuda.Event()
             event.record()
-        return StreamWork(event, keep)
+        return StreamWork(event, self._device, keep)
 
     def all_gather(self, outs: list[torch.Tensor], sends: list[torch.Tensor]) -> StreamWork:
         """Gather each rank's `sends[i]` into `outs[i]` (rank-major), all in one collective.
 
         A send may be this rank's part of its output (an in-place gather): then it is not
-        copied there again.
+        copied there again. Sends must outlive the collective (the engine's are shard slots
+        or parts of their outputs), so none is held here.
         """
         me, world = self.rank, self.world
-
-        def body() -> None:
-            sizes = [s.numel() * s.element_size() for s in sends]
-            for pieces in plan_rounds(sizes, self.nbytes):
-                for p in pieces:
-                    send = _bytes(sends[p.index], p)
-                    self._view(me, p.offset, send.numel(), send.dtype).copy_(send)
-                self._barrier()
-                for p in pieces:
-                    chunks = outs[p.index].view(world, -1)
-                    for r in range(world):
-                        if r != me:
-                            dst = _bytes(chunks[r], p)
-                            dst.copy_(self._view(r, p.offset, dst.numel(), dst.dtype))
-                self._barrier()
-            for out, send in zip(outs, sends):
-                own = out.view(world, -1)[me]
-                if own.data_ptr() != send.data_ptr():
-                    own.copy_(send)
-
-        return self._run(body, keep=())
+        steps: list[_Step] = []
+        sizes = [s.numel() * s.element_size() for s in sends]
+        for pieces in plan_rounds(sizes, self.nbytes):
+            for p in pieces:
+                send = _bytes(sends[p.index], p)
+                steps.append((self._view(me, p.offset, send.numel(), send.dtype), send))
+            steps.append(_BARRIER)
+            for p in pieces:
+                chunks = outs[p.index].view(world, -1)
+                for r in range(world):
+                    if r != me:
+                        dst = _bytes(chunks[r], p)
+                        steps.append((dst, self._view(r, p.offset, dst.numel(), dst.dtype)))
+            steps.append(_BARRIER)
+        for out, send in zip(outs, sends):
+            own = out.view(world, -1)[me]
+            if own.data_ptr() != send.data_ptr():
+                steps.append((own, send))
+        return self._queue(steps, keep=())
 
     def reduce_scatter(
         self, outs: list[torch.Tensor], fulls: list[torch.Tensor], average: bool
@@ -179,43 +241,33 @@ class CopyEngineCollectives:
         """Sum (or average) each `fulls[i]` over the ranks and keep this rank's chunk in
         `outs[i]`, all in one collective.
 
-        A workspace holds one row per peer (this rank's own chunk is read where it is): the
-        row of source rank `src` in rank `dst`'s workspace is `(src - dst - 1) % world`.
+        The row of source rank `src` in rank `dst`'s workspace is `(src - dst - 1) % world`;
+        on more than two ranks, row `world - 1` holds this rank's own part.
         """
-        me, world = self.rank, self.world
-        row = self.nbytes // (world - 1) // _ALIGN * _ALIGN
-
-        def body() -> None:
-            sizes = [o.numel() * o.element_size() for o in outs]
-            for pieces in plan_rounds(sizes, row):
-                self._barrier()
-                for p in pieces:
-                    chunks = fulls[p.index].view(world, -1)
-                    for r in range(world):
-                        if r != me:
-                            src = _bytes(chunks[r], p)
-                            at = (me - r - 1) % world * row + p.offset
-                            self._view(r, at, src.numel(), src.dtype).copy_(src)
-                self._barrier()
-                for p in pieces:
-                    out, own = (
-                        _bytes(outs[p.index], p),
-                        _bytes(fulls[p.index].view(world, -1)[me], p),
-                    )
-                    size = out.element_size()
-                    rows = self._local[: (world - 1) * row].view(out.dtype).view(world - 1, -1)
-                    first = p.offset // size
-                    peers = rows[:, first : first + out.numel()]
-                    # Allocation-free (a CUDA graph may be capturing): strided views, summed.
-                    if world == 2:
-                        torch.add(own, peers[0], out=out)
-                    else:
-                        torch.sum(peers, dim=0, out=out)
-                        out.add_(own)
-                    if average:
-                        out.div_(world)
-
-        return self._run(body, keep=tuple(fulls))
+        me, world, nrows = self.rank, self.world, self._rows
+        row = self.nbytes // nrows // _ALIGN * _ALIGN
+        steps: list[_Step] = []
+        sizes = [o.numel() * o.element_size() for o in outs]
+        for pieces in plan_rounds(sizes, row):
+            steps.append(_BARRIER)
+            reductions = []
+            for p in pieces:
+                chunks = fulls[p.index].view(world, -1)
+                out, own = _bytes(outs[p.index], p), _bytes(chunks[me], p)
+                n, dtype = out.numel(), out.dtype
+                for r in range(world):
+                    if r != me:
+                        src = _bytes(chunks[r], p)
+                        at = (me - r - 1) % world * row + p.offset
+                        steps.append((self._view(r, at, n, dtype), src))
+                if nrows == world:
+                    steps.append((self._view(me, (world - 1) * row + p.offset, n, dtype), own))
+                first = p.offset // dtype.itemsize
+                rows = self._local[: nrows * row].view(dtype).view(nrows, -1)
+                reductions.append(_Reduce(out, own, rows[:, first : first + n], average))
+            steps.append(_BARRIER)
+            steps.extend(reductions)
+        return self._queue(steps, keep=tuple(fulls))
 
 
 def _bytes(t: torch.Tensor, piece: _Piece) -> torch.Tensor:

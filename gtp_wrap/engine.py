@@ -22,11 +22,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
-from . import fp8, fp8_triton
+from . import copy_engine, fp8, fp8_triton
 from .buffers import GatherBufferPool
 from .chain import Chain, Gather, PassKind, PassState, first_difference
 from .comm import Comm, Pending, stable_hash
-from .copy_engine import CopyEngineCollectives
 from .errors import ChainMismatchError, GraphCaptureError, PolicyError, WrapError
 from .linear import ShardedLinear
 from .mesh import GTPMesh
@@ -146,24 +145,6 @@ class GTPEngine:
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
 
         self._check_ranks_agree(plans)
-        if policy.collectives == "copy_engine" and mesh.gtp_size > 1:
-            # After the agreement check: setting up a workspace is a collective of its own.
-            # Note: gathers and reduce-scatters get a stream and a workspace each, so a
-            # backward gather, which a GEMM waits for, never queues behind a reduce-scatter,
-            # which only the next group's finalize waits for. (NCCL runs both on one stream.)
-            def copies(nbytes: int) -> CopyEngineCollectives:
-                return CopyEngineCollectives(
-                    mesh.gtp_group,  # type: ignore[arg-type]
-                    mesh_device,
-                    nbytes=max(nbytes, _MIN_WORKSPACE),
-                    timeout_s=policy.collective_timeout_s,
-                )
-
-            # Sized so that, on two ranks, one round moves a group of up to 2 x group_numel
-            # elements: this rank's half of its bf16 weights, the peer's half of its fp32
-            # gradients.
-            self.comm.gather_copies = copies(2 * policy.group_numel)
-            self.comm.reduce_copies = copies(4 * policy.group_numel)
         if policy.gather_dtype is not None:
             try:
                 fp8.fp8_dtype()
@@ -174,6 +155,8 @@ class GTPEngine:
         self.fp8_matmul = self.fp8 and policy.fp8_matmul
         if self.fp8_matmul:
             fp8.check_gemm_device(mesh_device)
+        if policy.collectives == "copy_engine" and mesh.gtp_size > 1:
+            self._set_up_copy_engine(mesh_device)
         sharded = [p for p in plans if p.shard_dim is not None]
         self.device = mesh_device
         self.layouts = FlatStorage.assign_offsets(
@@ -297,6 +280,41 @@ class GTPEngine:
             "with the same policy on every rank before wrapping"
         )
 
+    def _set_up_copy_engine(self, device: torch.device) -> None:
+        """Workspaces for the copy-engine collectives (policy `collectives: copy_engine`).
+
+        Every rank says first whether it can (through the store): setting up a workspace is a
+        collective of its own, which a rank that cannot would leave its peers waiting in.
+
+        Note: gathers and reduce-scatters get a stream and a workspace each, so a backward
+        gather, which a GEMM waits for, never queues behind a reduce-scatter, which only the
+        next group's finalize waits for. (NCCL runs both on one stream.)
+        """
+        reason = copy_engine.unsupported(device)
+        verdicts = self.comm.exchange("copy-engine", [int(reason is None)])
+        unable = [rank for rank, (ok,) in enumerate(verdicts) if not ok]
+        if unable:
+            raise PolicyError(
+                reason
+                or f"collectives: copy_engine cannot run on rank(s) {unable}: their devices "
+                "have no CUDA symmetric memory; use collectives: process_group"
+            )
+        group_numel = self.policy.group_numel
+
+        def make(nbytes: int) -> copy_engine.CopyEngineCollectives:
+            return copy_engine.CopyEngineCollectives(
+                self.mesh.gtp_group,  # type: ignore[arg-type]
+                device,
+                nbytes=max(nbytes, _MIN_WORKSPACE),
+                timeout_s=self.policy.collective_timeout_s,
+            )
+
+        # Sized so that, on two ranks, one round moves a group of up to 2 x group_numel
+        # elements: this rank's half of its bf16 weights, the peer's half of its fp32
+        # gradients.
+        self.comm.gather_copies = make(2 * group_numel)
+        self.comm.reduce_copies = make(4 * group_numel)
+
     def _shard(self, plan: ParameterPlan, lay: ShardLayout) -> GTPParameter:
         """Copy this rank's rows into the flat storage and register the shard view in place."""
         flat = self.storage.params[lay.dtype]
@@ -387,6 +405,8 @@ class GTPEngine:
             and self._passes[-1].kind is PassKind.BACKWARD
             and torch._C._current_graph_task_id() == -1
         ):
+            if self._reducing is not None and self._reducing.pending is not None:
+                self.comm.abandon(self._reducing.pending)
             self._collecting, self._reducing = ReduceGroup(), None
             self._end_pass(failed=True)
 

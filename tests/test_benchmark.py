@@ -69,12 +69,19 @@ def test_profile_summary_splits_kernel_time_by_kind(tmp_path: Path) -> None:
         ("elementwise_kernel", 100, 20),
         ("sm90_gemm_bf16", 300, 100),
         ("ncclDevKernel_ReduceScatter_Sum", 500, 40),  # under nothing
+        ("c10d::symmetric_memory::barrier_kernel", 200, 10),  # a copy-engine collective's
     ]
     events = [{"cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    # A copy-engine transfer: a memcpy, half under the second GEMM.
+    events.append({"cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 350, "dur": 100})
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
     out = pg.analyse_trace(tmp_path / "t.json", steps=2)
     assert out["all_gather"]["overlapped_with_gemm_share"] == 0.5
     assert out["reduce_scatter"]["overlapped_with_gemm_share"] == 0.0
     assert out["per_step_ms"] == {
-        "gemm": 0.1, "other_compute": 0.01, "compute_stream_busy": 0.11, "nccl": 0.07,
+        "gemm": 0.1, "other_compute": 0.01, "compute_stream_busy": 0.11,
+        "collective_kernels": 0.075,
+    }  # fmt: skip
+    assert out["memcpy"] == {
+        "count_per_step": 0.5, "ms_per_step": 0.05, "overlapped_with_gemm_share": 0.5,
     }  # fmt: skip

@@ -23,7 +23,9 @@ from gtp_wrap.copy_engine import CopyEngineCollectives, plan_rounds
 gpu = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
-@pytest.mark.parametrize("sizes, capacity", [([1000, 4, 384, 70000], 1024), ([256] * 9, 512)])
+@pytest.mark.parametrize(
+    "sizes, capacity", [([1000, 4, 384, 70000], 1024), ([256] * 9, 512), ([6, 4000, 130], 300)]
+)
 def test_rounds_cover_every_byte_once_within_capacity(sizes: list[int], capacity: int) -> None:
     rounds = plan_rounds(sizes, capacity)
     covered: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(sizes))}
@@ -40,6 +42,11 @@ def test_rounds_cover_every_byte_once_within_capacity(sizes: list[int], capacity
         assert [s for s, _ in covered[i]] == ends[:-1] and ends[-1] == size
     for pieces in rounds[:-1]:  # a round closes only when less than one aligned piece fits
         assert max(p.offset + -(-p.nbytes // 128) * 128 for p in pieces) > capacity - 128
+
+
+def test_a_round_smaller_than_one_aligned_piece_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 128 bytes"):
+        plan_rounds([10], 100)
 
 
 def test_unknown_collectives_is_a_policy_error() -> None:
@@ -84,6 +91,17 @@ def _against_nccl(rank: int, world: int) -> dict:
         for ref, send in zip(refs, sends):
             dist.all_gather_into_tensor(ref, send.clone())
         out[f"gather {dtype}"] = all(torch.equal(o, r) for o, r in zip(outs, refs))
+    # Mixed dtypes in one collective: pieces of different element sizes share each round.
+    sends = [
+        torch.randn(n, device=device, generator=g).to(dtype)
+        for n, dtype in ((700, torch.bfloat16), (301, torch.float32), (999, torch.uint8))
+    ]
+    outs = [torch.empty(world * s.numel(), device=device, dtype=s.dtype) for s in sends]
+    ce.all_gather(outs, sends).wait()
+    refs = [torch.empty_like(o) for o in outs]
+    for ref, send in zip(refs, sends):
+        dist.all_gather_into_tensor(ref, send.clone())
+    out["gather mixed dtypes"] = all(torch.equal(o, r) for o, r in zip(outs, refs))
     for dtype in (torch.float32, torch.bfloat16):
         for average in (False, True):
             numels = [3000, 64, 77, 1]
