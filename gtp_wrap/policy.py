@@ -130,7 +130,9 @@ class GTPPolicy:
             the transfers leave the GEMMs they overlap their SMs (see the Note in
             copy_engine.py); needs the GTP group's GPUs on one host with peer access.
             Replicated all-reduces stay on the process group. Pays off with
-            `graph_step`: eager, its host time per collective is higher than NCCL's.
+            `graph_step`: eager, its host time per collective is higher than NCCL's. A peer
+            that stalls past collective_timeout_s makes a barrier trap on the GPU (a CUDA
+            error that ends the process) instead of raising CollectiveTimeoutError.
     """
 
     rules: tuple[LayerRule, ...] = (

@@ -7,7 +7,12 @@ graphed step through them equal to the eager one.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import threading
 import traceback
+import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -180,3 +185,120 @@ def test_partial_capture_equals_eager() -> None:
         assert regions["losses"] == eager["losses"]
         for k, v in eager["state"].items():
             assert torch.equal(regions["state"][k], v), k
+
+
+# ---- CPU: the collectives' logic on simulated ranks ------------------------------------------
+
+
+class _SimulatedHandle:
+    """Symmetric memory on one host: ranks are threads, workspaces CPU tensors, a barrier a
+    thread barrier (counting the barriers each rank queued)."""
+
+    def __init__(self, buffers: list, rank: int, barrier: threading.Barrier) -> None:
+        self.buffers, self.rank, self.world_size, self._barrier = (
+            buffers,
+            rank,
+            len(buffers),
+            barrier,
+        )
+        self.barriers = 0
+
+    def get_buffer(self, rank: int, sizes: tuple, dtype: torch.dtype, offset: int = 0):
+        flat = self.buffers[rank].view(dtype)
+        numel = math.prod(sizes)
+        assert offset + numel <= flat.numel(), "a view past the end of a workspace"
+        return flat[offset : offset + numel].view(sizes)
+
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
+        self.barriers += 1
+        self._barrier.wait(timeout=30)
+
+
+class _NoStream:
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+def _simulate(monkeypatch: pytest.MonkeyPatch, world: int, nbytes: int, fn: Callable) -> list:
+    """Make `world` CopyEngineCollectives on CPU threads and run `fn(rank, collectives)` on
+    each at once."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffers: list = [None] * world
+    barrier, setup, local = threading.Barrier(world), threading.Barrier(world), threading.local()
+
+    def empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffers[local.rank] = torch.full((n,), 0xAB, dtype=dtype)
+        return buffers[local.rank]
+
+    def rendezvous(t: torch.Tensor, name: str) -> _SimulatedHandle:
+        setup.wait(timeout=30)
+        return _SimulatedHandle(buffers, local.rank, barrier)
+
+    monkeypatch.setattr(symm_mem, "empty", empty)
+    monkeypatch.setattr(symm_mem, "rendezvous", rendezvous)
+    for name in ("Stream", "current_stream", "Event"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: _NoStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    group = types.SimpleNamespace(size=lambda: world, group_name="simulated")
+    results: list = [None] * world
+    errors: list = []
+
+    def rank_main(rank: int) -> None:
+        local.rank = rank
+        try:
+            ce = CopyEngineCollectives(group, torch.device("cuda", rank), nbytes, 1.0)  # type: ignore[arg-type]
+            results[rank] = fn(rank, ce)
+        except Exception as e:  # noqa: BLE001 - reported below, after every thread stopped
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("world, nbytes", [(2, 1024), (3, 1000), (4, 4096), (5, 300), (8, 1 << 16)])
+def test_collectives_on_simulated_ranks(
+    monkeypatch: pytest.MonkeyPatch, world: int, nbytes: int
+) -> None:
+    """Gathers (one in place) and reduce-scatters of mixed dtypes and sizes, over many rounds of
+    a small workspace, equal a reference on 2 to 8 simulated ranks; every rank queues the same
+    number of barriers."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float64, torch.uint8, torch.float16)
+    numels = (1, 300, 77, 1500, 64)
+    g = torch.Generator().manual_seed(world)
+    sends = [[torch.randint(0, 50, (n,), generator=g).to(d) for n, d in zip(numels, dtypes)]
+             for _ in range(world)]  # fmt: skip
+    outs = [[torch.empty(world * s.numel(), dtype=s.dtype) for s in per] for per in sends]
+    for r in range(world):  # the first gather is in place: the send is part of the output
+        outs[r][0].view(world, -1)[r].copy_(sends[r][0])
+        sends[r][0] = outs[r][0].view(world, -1)[r]
+    floats = [d if d.is_floating_point else torch.float32 for d in dtypes]
+    fulls = [[torch.randint(-8, 8, (world * n,), generator=g).to(d) for n, d in zip(numels, floats)]
+             for _ in range(world)]  # fmt: skip
+    sums = [[torch.empty(n, dtype=d) for n, d in zip(numels, floats)] for _ in range(world)]
+    means = [[torch.empty(n, dtype=d) for n, d in zip(numels, floats)] for _ in range(world)]
+
+    def run(rank: int, ce: CopyEngineCollectives) -> int:
+        ce.all_gather(outs[rank], sends[rank]).wait()
+        ce.reduce_scatter(sums[rank], fulls[rank], average=False).wait()
+        ce.reduce_scatter(means[rank], fulls[rank], average=True).wait()
+        return ce._handle.barriers
+
+    barriers = _simulate(monkeypatch, world, nbytes, run)
+    assert len(set(barriers)) == 1 and barriers[0] >= 6, barriers
+    for r in range(world):
+        for i in range(len(numels)):
+            assert torch.equal(outs[r][i], torch.cat([sends[s][i] for s in range(world)]))
+            # Small integers: every sum is exact in every dtype; means are exact where the
+            # division by `world` is.
+            total = sum(fulls[s][i].double().view(world, -1)[r] for s in range(world))
+            assert torch.equal(sums[r][i].double(), total), (r, i)
+            assert torch.allclose(means[r][i].double(), total / world, rtol=1e-2, atol=1e-2)
