@@ -7,10 +7,11 @@ The model, optimizer and step are bench_step.py's for the chosen method (floor, 
 JSON summary with: step time; per step, the kernel time of GEMMs, of collective kernels (NCCL's,
 or the copy-engine collectives' barriers) and of everything else, the 25 kernels that took
 longest, and how long the compute kernels (all others) were busy; the share of NCCL all-gather
-and reduce-scatter kernel time that overlaps GEMM kernels; the memcpys (the copy-engine
-collectives' transfers) and their overlap with GEMMs; and for eager GTP methods the host time
-spent in GTP's hooks per weight use (interception, pack/unpack, reduce-scatter issue, excluding
-the wrapped op itself). `idle_gaps.py` reads the trace for when the compute waits.
+and reduce-scatter kernel time that overlaps GEMM kernels; all memcpys (in a step with
+copy-engine collectives nearly all are theirs) and their overlap with GEMMs; and for eager GTP
+methods the host time spent in GTP's hooks per weight use (interception, pack/unpack,
+reduce-scatter issue, excluding the wrapped op itself). `idle_gaps.py` reads the trace for when
+the compute waits.
 """
 
 from __future__ import annotations

@@ -163,10 +163,11 @@ class Comm:
             ) from e
 
     def abandon(self, pending: Pending) -> None:
-        """Drop a collective no one will consume. On GPUs the current stream still waits for
-        it (no host sync): a copy-engine collective's inputs are freed with it, and must not be
-        reused under its copies. On gloo a wait would block on what may never come."""
-        if not self._gloo:
+        """Drop a collective no one will consume. A copy-engine collective is still waited for
+        (a stream wait, no host sync): its inputs are freed with it and must not be reused
+        under its copies. NCCL's Work guards its own inputs; gloo's wait would block on what
+        may never come."""
+        if any(isinstance(work, StreamWork) for work in pending.works):
             self.wait(pending)
 
     def exchange(self, purpose: str, values: list[int]) -> list[list[int]]:
