@@ -187,8 +187,8 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
     }
     if method.startswith("gtp"):
         s = gtp_wrap.stats(model)
-        if out["peak_mem_gib"] is not None:  # symmetric memory is not the caching allocator's
-            out["peak_mem_gib"] += s["workspace_bytes"] / 2**30
+        if out["peak_mem_gib"] is not None:  # symmetric memory the allocator does not count
+            out["peak_mem_gib"] += s["workspace_bytes_outside_allocator"] / 2**30
         out["blocking_by_pass"] = s["blocking_by_pass"]
     del step, model, optim  # a graphed step must go before its model (and NCCL)
     return out

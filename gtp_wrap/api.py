@@ -92,9 +92,10 @@ def stats(module: nn.Module) -> dict[str, Any]:
     """Gather and reduce counters since the last `reset_stats`: gathers, prefetched_gathers,
     blocking_gathers (and per pass kind), bytes_gathered, bytes_reduced, peak_gathered_bytes,
     weight_casts (re-casts of a kept compute copy or FP8 re-quantizations: once per step),
-    fp8_matmuls (FP8 GEMMs), and workspace_bytes: the copy-engine workspaces' memory
-    (`collectives: copy_engine`; symmetric memory, which `torch.cuda.max_memory_allocated`
-    does not count)."""
+    fp8_matmuls (FP8 GEMMs), workspace_bytes: the copy-engine workspaces' memory
+    (`collectives: copy_engine`; symmetric memory), and workspace_bytes_outside_allocator: the
+    part of it that `torch.cuda.max_memory_allocated` does not count (all of it on torch
+    2.11)."""
     engine = engine_of(module)
     s = engine.stats
     return {
@@ -109,6 +110,7 @@ def stats(module: nn.Module) -> dict[str, Any]:
         "weight_casts": s.weight_casts,
         "fp8_matmuls": s.fp8_matmuls,
         "workspace_bytes": engine.comm.workspace_bytes(),
+        "workspace_bytes_outside_allocator": engine.comm.workspace_bytes(outside_allocator=True),
     }
 
 

@@ -114,10 +114,11 @@ class Comm:
             tuple(group._reduce_scatter_base(o, f, opts) for o, f in zip(outs, fulls)), what
         )
 
-    def workspace_bytes(self) -> int:
-        """Memory of the copy-engine workspaces (symmetric memory, outside the caching
-        allocator)."""
-        return sum(c.nbytes for c in (self.gather_copies, self.reduce_copies) if c is not None)
+    def workspace_bytes(self, outside_allocator: bool = False) -> int:
+        """Memory of the copy-engine workspaces (symmetric memory); with `outside_allocator`,
+        only what `torch.cuda.max_memory_allocated` does not count."""
+        copies = (c for c in (self.gather_copies, self.reduce_copies) if c is not None)
+        return sum(c.nbytes for c in copies if c.outside_allocator or not outside_allocator)
 
     def all_reduce(
         self, t: torch.Tensor, axis: Literal["dp", "gtp", "world"], what: str, op: Any = None

@@ -162,7 +162,11 @@ class CopyEngineCollectives:
         self._rows = 1 if self.world == 2 else self.world
         nbytes = max(nbytes, self._rows * _ALIGN) // _ALIGN * _ALIGN
         try:
+            before = torch.cuda.memory_allocated(device)
             self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            # Whether the caching allocator counts symmetric memory depends on the torch
+            # version (2.11 did not): memory reports add what it leaves out.
+            self.outside_allocator = torch.cuda.memory_allocated(device) - before < nbytes
             self._handle = symm_mem.rendezvous(self._local, group.group_name)
         except RuntimeError as e:
             raise PolicyError(

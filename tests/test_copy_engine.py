@@ -240,6 +240,7 @@ def _simulate(monkeypatch: pytest.MonkeyPatch, world: int, nbytes: int, fn: Call
     for name in ("Stream", "current_stream", "Event"):
         monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: _NoStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
 
     group = types.SimpleNamespace(size=lambda: world, group_name="simulated")
     results: list = [None] * world
