@@ -3,9 +3,9 @@
     python benchmarks/idle_gaps.py prof/trace_rank0.json[.gz] [--top 20]
 
 A replayed CUDA graph runs its kernels on streams of its own, so "the compute stream" cannot be
-read off a stream id. Kernels are told apart by name instead: the collectives' work (memcpys,
-`memcpy128` copy kernels, symmetric-memory barriers, the reduce-scatter's fp32 adds and
-averages, NCCL kernels) against everything else (compute). Prints how long compute kernels were
+read off a stream id. Kernels are told apart by name instead (`trace_events.py`): the
+collectives' work (NCCL kernels; the copy-engine collectives' memcpys, barriers and fp32
+reduce-scatter kernels) against everything else (compute). Prints how long compute kernels were
 busy and idle, split by phase (forward from the embedding lookup, backward from the first
 attention backward kernel, optimizer from the first multi-tensor kernel), and the longest idle
 gaps with the side work that ran during each.
@@ -14,43 +14,18 @@ gaps with the side work that ran during each.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from pathlib import Path
 
-_SIDE_KERNELS = ("memcpy128", "barrier_kernel", "CUDAFunctor_add<float>", "BUnaryFunctor<float")
+from trace_events import is_collective_work, load_gpu_events, merge
+
 _PHASE_STARTS = (("vectorized_gather_kernel", "forward"), ("bprop", "backward"),
                  ("multi_tensor_apply", "optimizer"))  # fmt: skip
 
 
-def _is_side(event: dict) -> bool:
-    name = event["name"]
-    return (
-        event["cat"] == "gpu_memcpy"
-        or "nccl" in name.lower()
-        or any(k in name for k in _SIDE_KERNELS)
-    )
-
-
-def _merge(spans: list[tuple[float, float]]) -> list[list[float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
 def analyse(path: Path, top: int) -> None:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
-    events = [
-        e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e
-    ]
-    compute = sorted((e for e in events if not _is_side(e)), key=lambda e: e["ts"])
-    side = [e for e in events if _is_side(e)]
+    events = load_gpu_events(path)
+    compute = sorted((e for e in events if not is_collective_work(e)), key=lambda e: e["ts"])
+    side = [e for e in events if is_collective_work(e)]
     marks: list[tuple[float, str]] = []
     for e in compute:
         for key, phase in _PHASE_STARTS:
@@ -60,7 +35,7 @@ def analyse(path: Path, top: int) -> None:
     def phase_at(t: float) -> str:
         return next((p for s, p in reversed(marks) if s <= t), "before")
 
-    busy = _merge([(e["ts"], e["ts"] + e["dur"]) for e in compute])
+    busy = merge([(e["ts"], e["ts"] + e["dur"]) for e in compute])
     t0 = busy[0][0]
     gaps = [(b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] > a[1]]
     by_phase: dict[str, list[float]] = {}

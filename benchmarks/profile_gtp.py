@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_step import METHODS, MODELS, _build, batch_of, common_args, method_step
+from trace_events import intervals, is_barrier, is_gemm, is_nccl, load_gpu_events, merge
 
 import gtp_wrap
 from gtp_wrap import fp8, linear
@@ -109,18 +110,9 @@ class HookTimer:
         return timed
 
 
-def _intervals(events: list[dict], pred) -> list[tuple[float, float]]:
-    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if pred(e["name"]))
-
-
 def _overlap(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
     """Total length of `spans` covered by the union of `cover`."""
-    merged: list[list[float]] = []
-    for s, e in cover:
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
+    merged = merge(cover)
     total = 0.0
     for s, e in spans:
         for ms, me in merged:
@@ -132,24 +124,18 @@ def _overlap(spans: list[tuple[float, float]], cover: list[tuple[float, float]])
     return total
 
 
-def _is_gemm(name: str) -> bool:
-    n = name.lower()
-    return any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul"))
-
-
 def _is_comm(name: str) -> bool:
-    """NCCL's kernels, and the barriers of the copy-engine collectives (symmetric memory)."""
-    n = name.lower()
-    return "nccl" in n or "barrier" in n
+    """NCCL's kernels, and the barriers of the copy-engine collectives."""
+    return is_nccl(name) or is_barrier(name)
 
 
 def analyse_trace(path: Path, steps: int) -> dict:
-    trace = json.loads(path.read_text())
-    kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
-    gemms = _intervals(kernels, _is_gemm)
+    events = load_gpu_events(path)
+    kernels = [e for e in events if e["cat"] == "kernel"]
+    gemms = intervals([e for e in kernels if is_gemm(e["name"])])
     # Copy-engine collectives move their bytes as memcpys, not kernels.
-    copies = [e for e in trace["traceEvents"] if e.get("cat") == "gpu_memcpy" and "dur" in e]
-    spans = _intervals(copies, lambda n: True)
+    copies = [e for e in events if e["cat"] == "gpu_memcpy"]
+    spans = intervals(copies)
     busy = sum(e - s for s, e in spans)
     out = {
         "memcpy": {
@@ -159,7 +145,7 @@ def analyse_trace(path: Path, steps: int) -> dict:
         }
     }
     for label, key in (("all_gather", "allgather"), ("reduce_scatter", "reducescatter")):
-        spans = _intervals(kernels, lambda n, k=key: "nccl" in n.lower() and k in n.lower())
+        spans = intervals([e for e in kernels if is_nccl(e["name"]) and key in e["name"].lower()])
         busy = sum(e - s for s, e in spans)
         out[label] = {
             "kernels": len(spans),
@@ -168,7 +154,7 @@ def analyse_trace(path: Path, steps: int) -> dict:
         }
     out["gemm_kernels"] = len(gemms)
     nccl = [e for e in kernels if _is_comm(e["name"])]
-    compute = _intervals(kernels, lambda n: not _is_comm(n))
+    compute = intervals([e for e in kernels if not _is_comm(e["name"])])
     busy = _overlap([(compute[0][0], max(e for _, e in compute))], compute) if compute else 0.0
     gemm_us = sum(e - s for s, e in gemms)
     by_name: dict[str, list[float]] = {}

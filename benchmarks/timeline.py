@@ -8,22 +8,23 @@ memcpys and barriers), so their overlap can be seen.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from pathlib import Path
+
+from trace_events import is_barrier, is_copy, is_gemm, is_nccl, load_gpu_events
 
 
 def _kind(event: dict) -> str | None:
-    n = event["name"].lower()
-    if event.get("cat") == "gpu_memcpy" or "memcpy128" in n:
+    name = event["name"]
+    if is_copy(event):
         return "memcpy"
-    if "symmetric_memory::barrier" in n:
+    if is_barrier(name):
         return "barrier"
-    if "nccl" in n:
+    if is_nccl(name):
+        n = name.lower()
         return (
             "all-gather" if "allgather" in n else "reduce-scatter" if "reducescatter" in n else None
         )
-    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")):
+    if is_gemm(name):
         return "GEMM"
     return "other compute"
 
@@ -37,13 +38,7 @@ def main() -> None:
     ap.add_argument("--title", default="GTP, 1.36B, batch 4x2048 per GPU, 2xH200: gathers and "
                     "reduce-scatters under GEMMs")  # fmt: skip
     args = ap.parse_args()
-    opener = gzip.open if args.trace.suffix == ".gz" else open
-    with opener(args.trace, "rt") as f:
-        events = [
-            e
-            for e in json.load(f)["traceEvents"]
-            if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e
-        ]
+    events = load_gpu_events(args.trace)
     t0 = min(e["ts"] for e in events)
     span = (max(e["ts"] + e["dur"] for e in events) - t0) / 1e3
     start = args.start_ms if args.start_ms is not None else span / 4

@@ -52,7 +52,6 @@ class Comm:
         self.mesh = mesh
         self.gather_copies: CopyEngineCollectives | None = None
         self.reduce_copies: CopyEngineCollectives | None = None
-        self._average = average
         # Gradient reductions average (the mean over data ranks, applied once per axis by the
         # collective itself: no extra scaling kernel) or sum, as the policy says.
         self.grad_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
@@ -86,11 +85,11 @@ class Comm:
         output used later on another stream. On NCCL they share the group's one Work. (A GTP
         group of one gathers nothing: the engine reads its local copy instead.)
         """
-        # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
-        # checks per call, paid on every weight use.
         if self.gather_copies is not None:
             copies = self.gather_copies.all_gather(outs, shards)
             return [Pending((copies,), what) for _ in outs]
+        # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
+        # checks per call, paid on every weight use.
         group = self.mesh.gtp_group
         if len(outs) > 1 and not self._gloo:
             work = group.allgather_into_tensor_coalesced(outs, shards)
@@ -106,7 +105,8 @@ class Comm:
                 out.copy_(full)
             return Pending((), what)
         if self.reduce_copies is not None:
-            return Pending((self.reduce_copies.reduce_scatter(outs, fulls, self._average),), what)
+            average = self.grad_op == dist.ReduceOp.AVG
+            return Pending((self.reduce_copies.reduce_scatter(outs, fulls, average),), what)
         group, opts = self.mesh.gtp_group, self._rs_opts
         if len(outs) > 1 and not self._gloo:
             return Pending((group.reduce_scatter_tensor_coalesced(outs, fulls, opts),), what)

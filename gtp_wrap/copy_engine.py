@@ -35,6 +35,7 @@ output, which outlive it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -77,6 +78,12 @@ def plan_rounds(sizes: list[int], capacity: int) -> list[list[_Piece]]:
             used += math.ceil(nbytes / _ALIGN) * _ALIGN
             start += nbytes
     return [r for r in rounds if r]
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(sizes: tuple[int, ...], capacity: int) -> list[list[_Piece]]:
+    """`plan_rounds`, made once per group shape: a chain's groups are the same every step."""
+    return plan_rounds(list(sizes), capacity)
 
 
 def unsupported(device: torch.device) -> str | None:
@@ -220,8 +227,8 @@ class CopyEngineCollectives:
         """
         me, world = self.rank, self.world
         steps: list[_Step] = []
-        sizes = [s.numel() * s.element_size() for s in sends]
-        for pieces in plan_rounds(sizes, self.nbytes):
+        sizes = tuple(s.numel() * s.element_size() for s in sends)
+        for pieces in _plan(sizes, self.nbytes):
             for p in pieces:
                 send = _bytes(sends[p.index], p)
                 steps.append((self._view(me, p.offset, send.numel(), send.dtype), send))
@@ -251,8 +258,8 @@ class CopyEngineCollectives:
         me, world, nrows = self.rank, self.world, self._rows
         row = self.nbytes // nrows // _ALIGN * _ALIGN
         steps: list[_Step] = []
-        sizes = [o.numel() * o.element_size() for o in outs]
-        for pieces in plan_rounds(sizes, row):
+        sizes = tuple(o.numel() * o.element_size() for o in outs)
+        for pieces in _plan(sizes, row):
             steps.append(_BARRIER)
             reductions = []
             for p in pieces:

@@ -21,6 +21,8 @@ from .errors import PolicyError
 
 Action = Literal["shard", "replicate"]
 _ACTIONS = ("shard", "replicate")
+Collectives = Literal["process_group", "copy_engine"]
+_COLLECTIVES = ("process_group", "copy_engine")
 _GLOB_CHARS = frozenset("*?[")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -150,7 +152,7 @@ class GTPPolicy:
     reduce_dtype: str | None = None
     gather_dtype: str | None = None
     fp8_matmul: bool = False
-    collectives: Literal["process_group", "copy_engine"] = "process_group"
+    collectives: Collectives = "process_group"
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -173,10 +175,9 @@ class GTPPolicy:
             raise PolicyError(
                 f"gather_dtype={self.gather_dtype!r} is not supported; use 'fp8' or null"
             )
-        if self.collectives not in ("process_group", "copy_engine"):
+        if self.collectives not in _COLLECTIVES:
             raise PolicyError(
-                f"collectives={self.collectives!r} is not supported; use 'process_group' or "
-                "'copy_engine'"
+                f"collectives={self.collectives!r} is not supported; use one of {_COLLECTIVES}"
             )
         bf16 = _DTYPES.get(self.param_dtype or "") is torch.bfloat16
         if self.fp8_matmul and (self.gather_dtype is None or not bf16):

@@ -1,0 +1,72 @@
+"""Reading torch.profiler Chrome traces: the GPU events, what each kernel is, merged intervals.
+
+Shared by profile_gtp.py (kernel time by kind), idle_gaps.py (when the compute waits) and
+timeline.py (a picture of a window). Kernels are told apart by name, since a replayed CUDA graph
+runs them on streams of its own.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+_GEMMS = ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul")
+# The copy-engine reduce-scatter's SM kernels on its side stream (fp32 gradients): the add of
+# the peer's row and the halving for the mean.
+_COPY_ENGINE_REDUCE = ("CUDAFunctor_add<float>", "BUnaryFunctor<float")
+
+
+def load_gpu_events(path: Path) -> list[dict]:
+    """The kernels and memcpys of a trace (`.json` or `.json.gz`) that have a duration."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e]
+
+
+def is_gemm(name: str) -> bool:
+    n = name.lower()
+    return any(k in n for k in _GEMMS)
+
+
+def is_nccl(name: str) -> bool:
+    return "nccl" in name.lower()
+
+
+def is_barrier(name: str) -> bool:
+    """A symmetric-memory barrier of the copy-engine collectives."""
+    return "barrier" in name.lower()
+
+
+def is_copy(event: dict) -> bool:
+    """A memcpy: on the copy engines, or run by the driver as a `memcpy128` kernel."""
+    return event.get("cat") == "gpu_memcpy" or "memcpy128" in event["name"]
+
+
+def is_collective_work(event: dict) -> bool:
+    """Work of the collectives rather than of the model: NCCL kernels, or the copy-engine
+    collectives' memcpys, barriers and reduce-scatter kernels."""
+    name = event["name"]
+    return (
+        is_copy(event)
+        or is_nccl(name)
+        or is_barrier(name)
+        or any(k in name for k in _COPY_ENGINE_REDUCE)
+    )
+
+
+def intervals(events: list[dict]) -> list[tuple[float, float]]:
+    """The events' (start, end) in µs, sorted."""
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+
+
+def merge(spans: list[tuple[float, float]]) -> list[list[float]]:
+    """The union of `spans` as sorted, disjoint [start, end] intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
