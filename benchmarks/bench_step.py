@@ -7,6 +7,9 @@ Every method trains the same Llama-style model (gtp_wrap.app.model) on the same 
 length and seed, with AdamW (foreach, or fused with --fused-adamw):
 - floor: bf16 model on one GPU, forward + backward with no communication, plus an AdamW step on
   1/N of the parameters (fp32): what perfect overlap would give;
+- floor_graph: the floor's step captured in a CUDA graph (torch.cuda.graph) and replayed: the
+  floor without host overhead, the reference for gtp_graph (at batch 1 the eager floor's step
+  time moves with the host's speed);
 - ddp: fp32 parameters, bf16 autocast, DistributedDataParallel;
 - fsdp2: fully_shard on every block and the root, bf16 param_dtype, fp32 reduce_dtype;
 - gtp: GTPWrap with the default policy, bf16 gathers (param_dtype), fp32 reductions;
@@ -15,7 +18,8 @@ length and seed, with AdamW (foreach, or fused with --fused-adamw):
 - gtp_graph: gtp with the whole step (forward, backward, AdamW(capturable=True)) captured in a
   CUDA graph by gtp_wrap.graph_step after the warm-up steps.
 Each reports the median step time over the timed steps after warm-up, tokens/s per GPU, MFU
-and peak memory; the table adds GTP/floor and GTP/FSDP2. Results go to JSON and a PNG chart.
+and peak memory; the table adds GTP/floor, GTP/gfloor (the graphed floor) and GTP/FSDP2.
+Results go to JSON and a PNG chart.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ MODELS = {
     "smoke": GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=172, max_seq=64),
 }  # fmt: skip
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
-METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph")
+METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph", "floor_graph")
 
 
 def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -68,11 +72,11 @@ def _adamw(params: Any, fused: bool, capturable: bool = False) -> torch.optim.Ad
 def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict,
            fused_adamw: bool = False):  # fmt: skip
     """(model, optimizer, autocast dtype or None); the floor's optimizer steps a 1/N shard."""
-    if method == "floor":
+    if method.startswith("floor"):
         model = _model(cfg, device, torch.bfloat16)
         shard = torch.zeros(math.ceil(cfg.n_params / world), device=device, requires_grad=True)
         shard.grad = torch.zeros_like(shard)
-        return model, _adamw([shard], fused_adamw), None
+        return model, _adamw([shard], fused_adamw, method == "floor_graph"), None
     model = _model(cfg, device, torch.float32)
     if method == "ddp":
         model = DistributedDataParallel(
@@ -110,7 +114,7 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, autocast: torch.d
 
 def clear_grads(method: str, model: nn.Module, optim: torch.optim.Optimizer) -> None:
     """Between steps; the floor's optimizer shard keeps its (zero) gradient so it is stepped."""
-    (model if method == "floor" else optim).zero_grad(set_to_none=True)
+    (model if method.startswith("floor") else optim).zero_grad(set_to_none=True)
 
 
 def batch_of(cfg: GPTConfig, batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -123,16 +127,36 @@ def method_step(method: str, model: nn.Module, optim: torch.optim.Optimizer,
                 autocast: torch.dtype | None, idx: torch.Tensor,
                 graph_warmup: int) -> Callable[[], None]:  # fmt: skip
     """One whole step of `method` on `idx`, gradients cleared after it; gtp_graph's is captured
-    by `graph_step` after `graph_warmup` eager steps and replayed from then on."""
+    by `graph_step` after `graph_warmup` eager steps and replayed from then on, floor_graph's
+    here, after as many."""
     train = train_step(model, optim, autocast)
     if method == "gtp_graph":
         train = gtp_wrap.graph_step(model, train, warmup=graph_warmup)
+    if method == "floor_graph":
+        train = _captured(train, idx, graph_warmup, lambda: clear_grads(method, model, optim))
 
     def step() -> None:
         train(idx[:, :-1], idx[:, 1:])
         clear_grads(method, model, optim)
 
     return step
+
+
+def _captured(train: Callable, idx: torch.Tensor, warmup: int, clear: Callable) -> Callable:
+    """`train` on `idx` captured in a CUDA graph as torch.cuda.graph's documentation does it:
+    warm-up steps on a side stream, then one capture; the returned step replays it."""
+    x, y = idx[:, :-1], idx[:, 1:]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            train(x, y)
+            clear()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train(x, y)
+    return lambda *_: graph.replay()
 
 
 def common_args(ap: argparse.ArgumentParser, out: Path, policy_example: str) -> None:
@@ -217,25 +241,28 @@ def run(device: torch.device, args: argparse.Namespace) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+    """One line per result; GTP rows add their ratios to the floors and to FSDP2 of the same
+    model and batch (gfloor: the graphed floor)."""
+    refs = {"GTP/floor": "floor", "GTP/gfloor": "floor_graph", "GTP/FSDP2": "fsdp2"}
     lines = [
-        f"{'model':>6} {'batch':>5} {'method':>6} {'step ms':>9} {'tok/s/GPU':>10} {'MFU':>6} "
-        f"{'peak GiB':>9} {'GTP/floor':>9} {'GTP/FSDP2':>9}"
+        f"{'model':>6} {'batch':>5} {'method':>12} {'step ms':>9} {'tok/s/GPU':>10} {'MFU':>6} "
+        f"{'peak GiB':>9} " + " ".join(f"{name:>10}" for name in refs)
     ]
     for r in rows:
         same = {
             x["method"]: x for x in rows if x["model"] == r["model"] and x["batch"] == r["batch"]
         }
-        ratio_floor = ratio_fsdp = ""
-        if r["method"].startswith("gtp"):
-            if "floor" in same:
-                ratio_floor = f"{r['step_ms'] / same['floor']['step_ms']:.2f}"
-            if "fsdp2" in same:
-                ratio_fsdp = f"{r['step_ms'] / same['fsdp2']['step_ms']:.2f}"
+        ratios = [
+            f"{r['step_ms'] / same[ref]['step_ms']:.2f}"
+            if r["method"].startswith("gtp") and ref in same
+            else ""
+            for ref in refs.values()
+        ]
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         lines.append(
-            f"{r['model']:>6} {r['batch']:>5} {r['method']:>6} {r['step_ms']:>9.1f} "
+            f"{r['model']:>6} {r['batch']:>5} {r['method']:>12} {r['step_ms']:>9.1f} "
             f"{r['tokens_per_s_per_gpu']:>10.0f} {r['mfu']:>6.1%} {mem:>9} "
-            f"{ratio_floor:>9} {ratio_fsdp:>9}"
+            + " ".join(f"{ratio:>10}" for ratio in ratios)
         )
     return "\n".join(lines)
 

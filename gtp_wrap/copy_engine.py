@@ -14,9 +14,11 @@ barrier is a tiny kernel on signal pads, so the whole collective is stream-order
 CUDA graph captures like any other. A collective runs in rounds on the instance's side stream
 (the engine keeps one instance for gathers and one for reduce-scatters):
 
-- all-gather (pull): write this rank's chunk into its own workspace; barrier (every chunk is
-  there); copy each peer's chunk out of the peer's workspace into the output; barrier (no peer
-  reads this workspace anymore, so the next round may overwrite it).
+- all-gather (pull): write this rank's chunk into its own workspace (casting it, when the
+  engine hands over the fp32 shard of a bf16 gather); barrier (every chunk is there); copy each
+  peer's chunk out of the peer's workspace into the output (and this rank's own, unless it is
+  there already); barrier (no peer reads this workspace anymore, so the next round may
+  overwrite it).
 - reduce-scatter (push, then reduce): barrier (every rank is done reading its workspace);
   copy the part of each full gradient that a peer owns into that peer's workspace, at this
   rank's row; barrier (every part has arrived); reduce the rows of this rank's workspace with
@@ -221,29 +223,29 @@ class CopyEngineCollectives:
     def all_gather(self, outs: list[torch.Tensor], sends: list[torch.Tensor]) -> StreamWork:
         """Gather each rank's `sends[i]` into `outs[i]` (rank-major), all in one collective.
 
-        A send may be this rank's part of its output (an in-place gather): then it is not
-        copied there again. Sends must outlive the collective (the engine's are shard slots
-        or parts of their outputs), so none is held here.
+        A send may have another dtype than its output: it is cast on this stream, on its way
+        into the workspace. A send may be this rank's part of its output (an in-place gather):
+        then it is not copied there again. Sends must outlive the collective (the engine's are
+        shard slots or parts of their outputs), so none is held here.
         """
         me, world = self.rank, self.world
         steps: list[_Step] = []
-        sizes = tuple(s.numel() * s.element_size() for s in sends)
+        owns = [out.view(world, -1)[me] for out in outs]
+        inplace = [own.data_ptr() == send.data_ptr() for own, send in zip(owns, sends)]
+        sizes = tuple(own.numel() * own.element_size() for own in owns)
         for pieces in _plan(sizes, self.nbytes):
             for p in pieces:
-                send = _bytes(sends[p.index], p)
-                steps.append((self._view(me, p.offset, send.numel(), send.dtype), send))
+                own = _bytes(owns[p.index], p)
+                send = _elements_like(sends[p.index], own, p)
+                steps.append((self._view(me, p.offset, own.numel(), own.dtype), send))
             steps.append(_BARRIER)
             for p in pieces:
                 chunks = outs[p.index].view(world, -1)
                 for r in range(world):
-                    if r != me:
+                    if r != me or not inplace[p.index]:
                         dst = _bytes(chunks[r], p)
                         steps.append((dst, self._view(r, p.offset, dst.numel(), dst.dtype)))
             steps.append(_BARRIER)
-        for out, send in zip(outs, sends):
-            own = out.view(world, -1)[me]
-            if own.data_ptr() != send.data_ptr():
-                steps.append((own, send))
         return self._queue(steps, keep=())
 
     def reduce_scatter(
@@ -285,3 +287,10 @@ def _bytes(t: torch.Tensor, piece: _Piece) -> torch.Tensor:
     """The elements of flat `t` that a piece's byte range covers."""
     size = t.element_size()
     return t.view(-1)[piece.start // size : (piece.start + piece.nbytes) // size]
+
+
+def _elements_like(send: torch.Tensor, own: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """The elements of flat `send` at the positions that `own`'s piece covers (a send of
+    another dtype than its output is planned in the output's bytes)."""
+    first = piece.start // own.element_size()
+    return send.view(-1)[first : first + own.numel()]

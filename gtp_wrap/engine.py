@@ -175,7 +175,9 @@ class GTPEngine:
         half = self.param_dtype in (torch.bfloat16, torch.float16)
         self._own_linear = self.fp8_matmul or (half and self.reduce_dtype == torch.float32)
         # Note: by default no param_dtype copy of the shards is kept: each gather casts 1/N of
-        # its weight into its own part of the gather buffer. On 2xH200 (1.36B, batch 1-8) that
+        # its weight into its own part of the gather buffer (with copy-engine collectives, on
+        # their stream rather than the compute stream, whose critical path the casts
+        # lengthened by 2.6 ms per graphed 1.36B step). On 2xH200 (1.36B, batch 1-8) that
         # moved step time only within run-to-run noise, while the copy (compute_copy, cast once per
         # step) held 1.27 GiB per GPU and put peak memory above FSDP2's. FP8 gathers read
         # packed FP8 slots instead, and a group of one, which gathers nothing, keeps the copy
@@ -641,10 +643,14 @@ class GTPEngine:
                 send = self.storage.packed_slots[lay.index]
                 buf = self.pool.reserve(lay.world * send.numel(), torch.uint8)
             elif self._cast_on_gather[lay.index]:
-                # In place: this rank's part of the output is the input (NCCL and gloo allow it).
                 buf = self.pool.reserve(lay.gathered_numel, self.param_dtype)
-                send = buf.tensor[lay.rank * lay.slot_numel : (lay.rank + 1) * lay.slot_numel]
-                send.copy_(self._slots[lay.index])
+                if self.comm.gather_copies is not None:
+                    send = self._slots[lay.index]  # cast on the copy-engine stream
+                else:
+                    # In place: this rank's part of the output is the input (NCCL and gloo
+                    # allow it).
+                    send = buf.tensor[lay.rank * lay.slot_numel : (lay.rank + 1) * lay.slot_numel]
+                    send.copy_(self._slots[lay.index])
             else:
                 send = self._slots[lay.index]
                 buf = self.pool.reserve(lay.gathered_numel, send.dtype)

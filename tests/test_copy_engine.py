@@ -102,10 +102,13 @@ def _against_nccl(rank: int, world: int) -> dict:
         for n, dtype in ((700, torch.bfloat16), (301, torch.float32), (999, torch.uint8))
     ]
     outs = [torch.empty(world * s.numel(), device=device, dtype=s.dtype) for s in sends]
+    # and an fp32 send cast into a bf16 gather, as the engine's bf16 gathers of fp32 shards
+    sends.append(torch.randn(1234, device=device, generator=g))
+    outs.append(torch.empty(world * 1234, device=device, dtype=torch.bfloat16))
     ce.all_gather(outs, sends).wait()
     refs = [torch.empty_like(o) for o in outs]
     for ref, send in zip(refs, sends):
-        dist.all_gather_into_tensor(ref, send.clone())
+        dist.all_gather_into_tensor(ref, send.to(ref.dtype))
     out["gather mixed dtypes"] = all(torch.equal(o, r) for o, r in zip(outs, refs))
     for dtype in (torch.float32, torch.bfloat16):
         for average in (False, True):
@@ -269,9 +272,9 @@ def _simulate(monkeypatch: pytest.MonkeyPatch, world: int, nbytes: int, fn: Call
 def test_collectives_on_simulated_ranks(
     monkeypatch: pytest.MonkeyPatch, world: int, nbytes: int
 ) -> None:
-    """Gathers (one in place) and reduce-scatters of mixed dtypes and sizes, over many rounds of
-    a small workspace, equal a reference on 2 to 8 simulated ranks; every rank queues the same
-    number of barriers."""
+    """Gathers (one in place, one cast) and reduce-scatters of mixed dtypes and sizes, over many
+    rounds of a small workspace, equal a reference on 2 to 8 simulated ranks; every rank queues
+    the same number of barriers."""
     dtypes = (torch.float32, torch.bfloat16, torch.float64, torch.uint8, torch.float16)
     numels = (1, 300, 77, 1500, 64)
     g = torch.Generator().manual_seed(world)
@@ -281,6 +284,9 @@ def test_collectives_on_simulated_ranks(
     for r in range(world):  # the first gather is in place: the send is part of the output
         outs[r][0].view(world, -1)[r].copy_(sends[r][0])
         sends[r][0] = outs[r][0].view(world, -1)[r]
+        # and the last is cast on the way (an fp32 shard into a bf16 gather)
+        sends[r].append(torch.randint(-50, 50, (333,), generator=g).float())
+        outs[r].append(torch.empty(world * 333, dtype=torch.bfloat16))
     floats = [d if d.is_floating_point else torch.float32 for d in dtypes]
     fulls = [[torch.randint(-8, 8, (world * n,), generator=g).to(d) for n, d in zip(numels, floats)]
              for _ in range(world)]  # fmt: skip
@@ -303,3 +309,5 @@ def test_collectives_on_simulated_ranks(
             total = sum(fulls[s][i].double().view(world, -1)[r] for s in range(world))
             assert torch.equal(sums[r][i].double(), total), (r, i)
             assert torch.allclose(means[r][i].double(), total / world, rtol=1e-2, atol=1e-2)
+        cast = torch.cat([sends[s][-1] for s in range(world)]).bfloat16()
+        assert torch.equal(outs[r][-1], cast), r
