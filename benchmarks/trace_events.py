@@ -12,9 +12,15 @@ import json
 from pathlib import Path
 
 _GEMMS = ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul")
-# The copy-engine reduce-scatter's SM kernels on its side stream (fp32 gradients): the add of
-# the peer's row and the halving for the mean.
-_COPY_ENGINE_REDUCE = ("CUDAFunctor_add<float>", "BUnaryFunctor<float")
+# The copy-engine collectives' SM kernels on their side streams: the fused Triton kernels
+# (copy_kernels.py: a gather's double write, a reduce-scatter's sum), or without Triton
+# PyTorch's add of the peer's fp32 row and halving for the mean.
+_COPY_ENGINE_KERNELS = (
+    "_write_twice",
+    "_sum_into",
+    "CUDAFunctor_add<float>",
+    "BUnaryFunctor<float",
+)
 
 
 def load_gpu_events(path: Path) -> list[dict]:
@@ -46,13 +52,13 @@ def is_copy(event: dict) -> bool:
 
 def is_collective_work(event: dict) -> bool:
     """Work of the collectives rather than of the model: NCCL kernels, or the copy-engine
-    collectives' memcpys, barriers and reduce-scatter kernels."""
+    collectives' memcpys, barriers and SM kernels."""
     name = event["name"]
     return (
         is_copy(event)
         or is_nccl(name)
         or is_barrier(name)
-        or any(k in name for k in _COPY_ENGINE_REDUCE)
+        or any(k in name for k in _COPY_ENGINE_KERNELS)
     )
 
 

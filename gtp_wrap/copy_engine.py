@@ -6,7 +6,8 @@ all-gathers than alone, and 1.03x beside peer copies (benchmarks/contention.py),
 copy engines carry without SMs. In the graphed 1.36B batch-1 step that slowdown cost ~8 ms:
 GEMM time per step was 34.1 ms beside NCCL, 26.8 ms beside these collectives, 25.7 ms in the
 floor. (Not every memcpy stays off the SMs: in that step the driver ran about 240 of them as
-small `memcpy128` kernels, ~4 ms in all, most likely the same-GPU copies.)
+small `memcpy128` kernels, ~4 ms in all: the same-GPU copies, which `copy_kernels.py` now folds
+into the cast.)
 
 How. Every rank of the GTP group allocates one workspace in symmetric memory
 (`torch.distributed._symmetric_memory`): each rank can address its peers' workspaces, and a
@@ -14,16 +15,18 @@ barrier is a tiny kernel on signal pads, so the whole collective is stream-order
 CUDA graph captures like any other. A collective runs in rounds on the instance's side stream
 (the engine keeps one instance for gathers and one for reduce-scatters):
 
-- all-gather (pull): write this rank's chunk into its own workspace (casting it, when the
-  engine hands over the fp32 shard of a bf16 gather); barrier (every chunk is there); copy each
-  peer's chunk out of the peer's workspace into the output (and this rank's own, unless it is
-  there already); barrier (no peer reads this workspace anymore, so the next round may
+- all-gather (pull): write this rank's chunk into its own workspace, and into its own output
+  unless it is there already (casting it, when the engine hands over the fp32 shard of a bf16
+  gather); barrier (every chunk is there); copy each peer's chunk out of the peer's workspace
+  into the output; barrier (no peer reads this workspace anymore, so the next round may
   overwrite it).
 - reduce-scatter (push, then reduce): barrier (every rank is done reading its workspace);
   copy the part of each full gradient that a peer owns into that peer's workspace, at this
   rank's row; barrier (every part has arrived); reduce the rows of this rank's workspace with
-  its own part of the gradient into its shard (small SM kernels: an add, and a halving for
-  the mean, per piece on two ranks).
+  its own part of the gradient into its shard (one SM kernel per piece on two ranks).
+
+The SM work (the double write, the reduction) runs as fused Triton kernels where it can
+(`copy_kernels.py`).
 
 A round carries as many bytes as the workspace holds; larger groups take more rounds, so the
 workspace bounds the memory, not the largest weight. Work is ordered with the compute stream
@@ -43,6 +46,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from . import copy_kernels
 from .errors import PolicyError
 
 _ALIGN = 128  # bytes: every piece starts on this boundary in the workspace and in its tensor
@@ -138,21 +142,31 @@ class _Reduce:
         """One rounding, as NCCL's two-rank sum (and its exact halving for the mean); strided
         views, so no allocation."""
         if self.rows.shape[0] == 1:  # two ranks: the peer's row, and this rank's own part
-            torch.add(self.own, self.rows[0], out=self.out)
-            if self.average:
-                self.out.div_(2)
+            copy_kernels.sum_into(self.out, self.own, self.rows[0], self.average)
         elif self.average:
             torch.mean(self.rows, dim=0, out=self.out)
         else:
             torch.sum(self.rows, dim=0, out=self.out)
 
 
+@dataclasses.dataclass(frozen=True)
+class _WriteTwice:
+    """This rank's part of a gather piece, cast into the workspace and into its own output."""
+
+    src: torch.Tensor
+    workspace: torch.Tensor
+    own: torch.Tensor
+
+    def run(self) -> None:
+        copy_kernels.write_twice(self.src, self.workspace, self.own)
+
+
 # A collective is planned as a list of steps, then queued: a (destination, source) copy, a
-# reduction, or _BARRIER. Planning makes every view first, so an error raises before any
-# barrier is queued: a rank that queued fewer barriers than its peers would pair every later
-# barrier wrongly.
+# reduction or a double write, or _BARRIER. Planning makes every view first, so an error raises
+# before any barrier is queued: a rank that queued fewer barriers than its peers would pair
+# every later barrier wrongly.
 _BARRIER = None
-_Step = tuple[torch.Tensor, torch.Tensor] | _Reduce | None
+_Step = tuple[torch.Tensor, torch.Tensor] | _Reduce | _WriteTwice | None
 
 
 class CopyEngineCollectives:
@@ -212,10 +226,10 @@ class CopyEngineCollectives:
             for step in steps:
                 if step is _BARRIER:
                     self._handle.barrier(channel=0, timeout_ms=self._timeout_ms)
-                elif isinstance(step, _Reduce):
-                    step.run()
-                else:
+                elif isinstance(step, tuple):
                     step[0].copy_(step[1])
+                else:
+                    step.run()
             event = torch.cuda.Event()
             event.record()
         return StreamWork(event, self._device, keep)
@@ -237,12 +251,15 @@ class CopyEngineCollectives:
             for p in pieces:
                 own = _bytes(owns[p.index], p)
                 send = _elements_like(sends[p.index], own, p)
-                steps.append((self._view(me, p.offset, own.numel(), own.dtype), send))
+                workspace = self._view(me, p.offset, own.numel(), own.dtype)
+                steps.append(
+                    (workspace, send) if inplace[p.index] else _WriteTwice(send, workspace, own)
+                )
             steps.append(_BARRIER)
             for p in pieces:
                 chunks = outs[p.index].view(world, -1)
                 for r in range(world):
-                    if r != me or not inplace[p.index]:
+                    if r != me:
                         dst = _bytes(chunks[r], p)
                         steps.append((dst, self._view(r, p.offset, dst.numel(), dst.dtype)))
             steps.append(_BARRIER)

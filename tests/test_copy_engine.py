@@ -22,7 +22,7 @@ from test_graphs import CFG as GPT_CFG
 from test_graphs import OPTIMIZERS, POLICY, RoutedGPT, _regions_run
 from test_graphs import _train as _train_graphed
 
-from gtp_wrap import GTPPolicy, GTPWrap, PolicyError
+from gtp_wrap import GTPPolicy, GTPWrap, PolicyError, copy_kernels
 from gtp_wrap.copy_engine import CopyEngineCollectives, plan_rounds
 
 gpu = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -153,6 +153,29 @@ def _graphed_vs_eager(rank: int, world: int) -> dict:
         except Exception:
             out[optimizer] = {"error": traceback.format_exc()}
     return out
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or copy_kernels.triton is None, reason="needs Triton on a GPU"
+)
+@pytest.mark.parametrize("numel", [1, 4095, 4097, 100_003])
+def test_fused_kernels_equal_pytorch_ops(numel: int) -> None:
+    """The Triton kernels write what the PyTorch fallback writes, bit for bit, on views that
+    start off any alignment."""
+    g = torch.Generator(device="cuda").manual_seed(numel)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        src = torch.randn(numel + 3, device="cuda", generator=g)[3:]
+        a, b = torch.empty(2, numel + 1, device="cuda", dtype=dtype)[:, 1:]
+        assert copy_kernels.usable(src, a, b)
+        copy_kernels.write_twice(src, a, b)
+        assert torch.equal(a, src.to(dtype)) and torch.equal(b, a), dtype
+        x, y = (torch.randn(numel + 1, device="cuda", generator=g).to(dtype)[1:] for _ in "xy")
+        # (fp16 takes PyTorch's ops: its subnormals begin where gradients still are)
+        for average in (False, True):
+            out = torch.empty(numel, device="cuda", dtype=dtype)
+            copy_kernels.sum_into(out, x, y, average)
+            ref = x + y
+            assert torch.equal(out, ref / 2 if average else ref), (dtype, average)
 
 
 @gpu
