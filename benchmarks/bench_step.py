@@ -145,6 +145,8 @@ def method_step(method: str, model: nn.Module, optim: torch.optim.Optimizer,
 def _captured(train: Callable, idx: torch.Tensor, warmup: int, clear: Callable) -> Callable:
     """`train` on `idx` captured in a CUDA graph as torch.cuda.graph's documentation does it:
     warm-up steps on a side stream, then one capture; the returned step replays it."""
+    if warmup < 1:  # the optimizer makes its state in its first step, which must not be captured
+        raise ValueError("floor_graph needs --warmup >= 1")
     x, y = idx[:, :-1], idx[:, 1:]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

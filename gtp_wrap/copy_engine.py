@@ -6,8 +6,8 @@ all-gathers than alone, and 1.03x beside peer copies (benchmarks/contention.py),
 copy engines carry without SMs. In the graphed 1.36B batch-1 step that slowdown cost ~8 ms:
 GEMM time per step was 34.1 ms beside NCCL, 26.8 ms beside these collectives, 25.7 ms in the
 floor. (Not every memcpy stays off the SMs: in that step the driver ran about 240 of them as
-small `memcpy128` kernels, ~4 ms in all: the same-GPU copies, which `copy_kernels.py` now folds
-into the cast.)
+small `memcpy128` kernels, ~4 ms in all: the gathers' same-GPU copies, which
+`copy_kernels.py` now folds into the cast.)
 
 How. Every rank of the GTP group allocates one workspace in symmetric memory
 (`torch.distributed._symmetric_memory`): each rank can address its peers' workspaces, and a
@@ -23,7 +23,7 @@ CUDA graph captures like any other. A collective runs in rounds on the instance'
 - reduce-scatter (push, then reduce): barrier (every rank is done reading its workspace);
   copy the part of each full gradient that a peer owns into that peer's workspace, at this
   rank's row; barrier (every part has arrived); reduce the rows of this rank's workspace with
-  its own part of the gradient into its shard (one SM kernel per piece on two ranks).
+  its own part of the gradient into its shard (on two ranks one SM kernel per piece).
 
 The SM work (the double write, the reduction) runs as fused Triton kernels where it can
 (`copy_kernels.py`).
@@ -33,8 +33,7 @@ workspace bounds the memory, not the largest weight. Work is ordered with the co
 through events: the side stream waits for what the compute stream queued before the issue, and
 a consumer waits for the collective's event (`StreamWork.wait`), just as with NCCL's own
 stream. The gradients a reduce-scatter reads are kept alive until that wait, so the allocator
-never reuses them under a running copy (a gather's sends are shard slots or part of its
-output, which outlive it).
+never reuses them under a running copy (a gather's sends are shard slots, which outlive it).
 """
 
 from __future__ import annotations
@@ -239,12 +238,19 @@ class CopyEngineCollectives:
 
         A send may have another dtype than its output: it is cast on this stream, on its way
         into the workspace. A send may be this rank's part of its output (an in-place gather):
-        then it is not copied there again. Sends must outlive the collective (the engine's are
-        shard slots or parts of their outputs), so none is held here.
+        then it is not copied there again. Sends must outlive the collective unmodified (the
+        engine's are shard slots, which change only between passes, after every gather of the
+        pass was waited for), so none is held here.
         """
         me, world = self.rank, self.world
         steps: list[_Step] = []
         owns = [out.view(world, -1)[me] for out in outs]
+        for i, (own, send) in enumerate(zip(owns, sends)):
+            if send.numel() != own.numel():
+                raise ValueError(
+                    f"all_gather: send {i} has {send.numel()} elements, its output "
+                    f"{world} x {own.numel()}"
+                )
         inplace = [own.data_ptr() == send.data_ptr() for own, send in zip(owns, sends)]
         sizes = tuple(own.numel() * own.element_size() for own in owns)
         for pieces in _plan(sizes, self.nbytes):

@@ -9,13 +9,18 @@ out the same-GPU copies saved 2.5 ms and leaving out the halving 0.8 ms: experim
 computed wrong values, run only to size the costs. These kernels read each input once and write
 each output once.
 
-`usable()` says where they run: Triton present, CUDA tensors of the dtypes below. Elsewhere the
-collectives use PyTorch's ops, which compute the same values: one rounding of the sum, and an
-exact halving (they could differ in the last bit only for sums below the smallest normal
-number, where halving rounds).
+They run on contiguous CUDA tensors of the dtypes below, with Triton installed. Elsewhere, and
+for good should a launch fail (a kernel is compiled at its first launch, which may come with
+barriers already queued, so it must not raise), the collectives use PyTorch's ops. Those write
+the same values: the same cast; for fp32 the same sum and halving; for bf16 too, except at the
+ends of its range (PyTorch rounds the sum before halving it, so a sum beyond bf16's largest
+finite value becomes inf, and a half below its smallest normal value rounds twice).
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 import torch
 
@@ -26,12 +31,31 @@ except Exception:  # noqa: BLE001 - CPU builds come without Triton; a broken one
     triton = None
 
 _ELEMS = 4096  # elements per program
+_MOVED = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8)
 _SUMMED = (torch.float32, torch.bfloat16)  # summed in fp32, as PyTorch's add does
+_enabled = triton is not None
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether these tensors (the operands of one kernel below) can take the fused kernel."""
-    return triton is not None and all(t.is_cuda and t.is_contiguous() for t in tensors)
+def _fused(dtypes: tuple[torch.dtype, ...], *tensors: torch.Tensor) -> bool:
+    """Whether these operands of one kernel can take it."""
+    return _enabled and all(t.is_cuda and t.is_contiguous() and t.dtype in dtypes for t in tensors)
+
+
+def _launch(kernel: Any, numel: int, device: torch.device, *args: Any) -> bool:
+    """Launch `kernel` over `numel` elements; False (and the kernels off from now on) if it
+    fails."""
+    global _enabled
+    try:
+        with torch.cuda.device(device):
+            kernel[(triton.cdiv(numel, _ELEMS),)](*args, numel, elems=_ELEMS)
+    except Exception as e:  # noqa: BLE001 - any failure: the PyTorch ops do the same work
+        warnings.warn(
+            f"gtp_wrap: a fused copy-engine kernel failed ({e}); PyTorch's ops take over",
+            stacklevel=3,
+        )
+        _enabled = False
+        return False
+    return True
 
 
 if triton is not None:
@@ -45,7 +69,7 @@ if triton is not None:
         tl.store(b_ptr + i, value, mask=keep)
 
     @triton.jit
-    def _sum_into(out_ptr, x_ptr, y_ptr, numel, scale, elems: tl.constexpr):
+    def _sum_into(out_ptr, x_ptr, y_ptr, scale, numel, elems: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * elems + tl.arange(0, elems)
         keep = i < numel
         x = tl.load(x_ptr + i, mask=keep).to(tl.float32)
@@ -54,24 +78,26 @@ if triton is not None:
 
 
 def write_twice(src: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """`src` (1-D, contiguous) cast to `a`'s dtype into both `a` and `b`."""
-    if not usable(src, a, b):
+    """`src` cast to `a`'s dtype into both `a` and `b` (1-D, one size)."""
+    if src.numel() != a.numel() or a.numel() != b.numel():
+        raise ValueError(f"write_twice of {src.numel()} into {a.numel()} and {b.numel()} elements")
+    if not (
+        _fused(_MOVED, src, a, b) and _launch(_write_twice, src.numel(), src.device, src, a, b)
+    ):
         a.copy_(src)
         b.copy_(a)
-        return
-    numel = src.numel()
-    with torch.cuda.device(src.device):
-        _write_twice[(triton.cdiv(numel, _ELEMS),)](src, a, b, numel, elems=_ELEMS)
 
 
 def sum_into(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, average: bool) -> None:
-    """`out = x + y`, halved with `average` (1-D, contiguous, one dtype)."""
-    if not usable(out, x, y) or out.dtype not in _SUMMED:
+    """`out = x + y`, halved with `average` (1-D, one size, one dtype)."""
+    if not (x.numel() == y.numel() == out.numel()):
+        raise ValueError(f"sum_into of {x.numel()} and {y.numel()} into {out.numel()} elements")
+    scale = 0.5 if average else 1.0  # exact: halving commutes with the sum's one rounding
+    if not (
+        _fused(_SUMMED, out, x, y)
+        and out.dtype == x.dtype == y.dtype
+        and _launch(_sum_into, out.numel(), out.device, out, x, y, scale)
+    ):
         torch.add(x, y, out=out)
         if average:
             out.div_(2)
-        return
-    numel = out.numel()
-    scale = 0.5 if average else 1.0  # exact: the halving commutes with the sum's one rounding
-    with torch.cuda.device(out.device):
-        _sum_into[(triton.cdiv(numel, _ELEMS),)](out, x, y, numel, scale, elems=_ELEMS)

@@ -161,21 +161,29 @@ def _graphed_vs_eager(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("numel", [1, 4095, 4097, 100_003])
 def test_fused_kernels_equal_pytorch_ops(numel: int) -> None:
     """The Triton kernels write what the PyTorch fallback writes, bit for bit, on views that
-    start off any alignment."""
+    start off any alignment, with fp32's special values too."""
     g = torch.Generator(device="cuda").manual_seed(numel)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         src = torch.randn(numel + 3, device="cuda", generator=g)[3:]
         a, b = torch.empty(2, numel + 1, device="cuda", dtype=dtype)[:, 1:]
-        assert copy_kernels.usable(src, a, b)
+        assert copy_kernels._fused(copy_kernels._MOVED, src, a, b)
         copy_kernels.write_twice(src, a, b)
         assert torch.equal(a, src.to(dtype)) and torch.equal(b, a), dtype
+    special = [float("nan"), float("inf"), -float("inf"), 3e38, -3e38, 1e-45, -0.0, 0.0]
+    for dtype in copy_kernels._SUMMED:
         x, y = (torch.randn(numel + 1, device="cuda", generator=g).to(dtype)[1:] for _ in "xy")
-        # (fp16 takes PyTorch's ops: its subnormals begin where gradients still are)
+        if dtype == torch.float32:  # every pair of special values, where the size allows
+            values = torch.tensor(special, device="cuda")
+            n = min(numel, len(special) ** 2)
+            x[:n] = values.repeat_interleave(len(special))[:n]
+            y[:n] = values.repeat(len(special))[:n]
         for average in (False, True):
             out = torch.empty(numel, device="cuda", dtype=dtype)
+            assert copy_kernels._fused(copy_kernels._SUMMED, out, x, y)
             copy_kernels.sum_into(out, x, y, average)
-            ref = x + y
-            assert torch.equal(out, ref / 2 if average else ref), (dtype, average)
+            ref = torch.add(x, y)
+            ref = ref.div_(2) if average else ref
+            torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
 
 
 @gpu
@@ -334,3 +342,16 @@ def test_collectives_on_simulated_ranks(
             assert torch.allclose(means[r][i].double(), total / world, rtol=1e-2, atol=1e-2)
         cast = torch.cat([sends[s][-1] for s in range(world)]).bfloat16()
         assert torch.equal(outs[r][-1], cast), r
+
+
+def test_a_send_of_the_wrong_size_raises_before_any_barrier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def run(rank: int, ce: CopyEngineCollectives) -> tuple[str, int]:
+        outs = [torch.empty(2 * 300), torch.empty(2 * 100)]
+        with pytest.raises(ValueError, match="send 1 has 99 elements") as e:
+            ce.all_gather(outs, [torch.ones(300), torch.ones(99)])
+        return str(e.value), ce._handle.barriers
+
+    for message, barriers in _simulate(monkeypatch, 2, 1024, run):
+        assert barriers == 0, message
