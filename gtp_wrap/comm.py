@@ -78,16 +78,18 @@ class Comm:
     def all_gather(
         self, outs: list[torch.Tensor], shards: list[torch.Tensor], what: str
     ) -> list[Pending]:
-        """Gather each shard into its output, all in one collective (one grouped NCCL launch).
+        """Gather each shard into its output, all in one collective (one grouped NCCL launch);
+        a shard of another dtype than its output is cast on the way.
 
         Note: each output gets its own Pending, waited for by whoever uses that output: on NCCL
         a wait orders only the calling stream, so one wait for the group would not cover an
         output used later on another stream. On NCCL they share the group's one Work. (A GTP
         group of one gathers nothing: the engine reads its local copy instead.)
         """
-        if self.gather_copies is not None:
+        if self.gather_copies is not None:  # casts on its own stream
             copies = self.gather_copies.all_gather(outs, shards)
             return [Pending((copies,), what) for _ in outs]
+        shards = [self._in_place(out, shard) for out, shard in zip(outs, shards)]
         # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
         # checks per call, paid on every weight use.
         group = self.mesh.gtp_group
@@ -95,6 +97,15 @@ class Comm:
             work = group.allgather_into_tensor_coalesced(outs, shards)
             return [Pending((work,), what) for _ in outs]
         return [Pending((work,), what) for work in map(group._allgather_base, outs, shards)]
+
+    def _in_place(self, out: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """A shard of another dtype than its gather, cast into this rank's part of the output,
+        which the process group then gathers in place (NCCL and gloo allow it)."""
+        if shard.dtype == out.dtype:
+            return shard
+        own = out.view(self.mesh.gtp_size, -1)[self.mesh.gtp_rank]
+        own.copy_(shard)
+        return own
 
     def reduce_scatter(
         self, outs: list[torch.Tensor], fulls: list[torch.Tensor], what: str

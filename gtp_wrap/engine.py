@@ -175,16 +175,16 @@ class GTPEngine:
         half = self.param_dtype in (torch.bfloat16, torch.float16)
         self._own_linear = self.fp8_matmul or (half and self.reduce_dtype == torch.float32)
         # Note: by default no param_dtype copy of the shards is kept: each gather casts 1/N of
-        # its weight into its own part of the gather buffer (with copy-engine collectives, on
-        # their stream rather than the compute stream, whose critical path the casts
-        # lengthened by 2.6 ms per graphed 1.36B step). On 2xH200 (1.36B, batch 1-8) that
+        # its weight into its own part of the gather buffer (Comm does, on the stream that
+        # moves the gather: copy-engine collectives thus keep the casts off the compute
+        # stream, whose critical path they lengthened by 2.6 ms per graphed 1.36B step). On
+        # 2xH200 (1.36B, batch 1-8) that
         # moved step time only within run-to-run noise, while the copy (compute_copy, cast once per
         # step) held 1.27 GiB per GPU and put peak memory above FSDP2's. FP8 gathers read
         # packed FP8 slots instead, and a group of one, which gathers nothing, keeps the copy
         # its local uses read.
         keep_copy = not self.fp8 and (policy.compute_copy or mesh.gtp_size == 1)
         cast = not self.fp8 and not keep_copy and self.param_dtype is not None
-        self._cast_on_gather = [cast and lay.dtype != self.param_dtype for lay in self.layouts]
         self.storage = FlatStorage(
             self.layouts, self.device, self.param_dtype if keep_copy else None
         )
@@ -216,6 +216,13 @@ class GTPEngine:
         self._gathered_numels = [lay.gathered_numel for lay in self.layouts]  # chain groups
         # Views used on every weight use, made once here rather than per use.
         self._slots = [lay.slot(self.storage.compute[lay.dtype]) for lay in self.layouts]
+        # What each weight's gather sends (its slot, or its packed FP8 slot) and in what dtype
+        # it gathers; a send of another dtype is cast on its way (Comm.all_gather).
+        self._sends = list(self.storage.packed_slots) if self.fp8 else self._slots
+        self._gather_dtypes = [
+            torch.uint8 if self.fp8 else self.param_dtype if cast else slot.dtype
+            for slot in self._slots
+        ]
         self._local_compute = [
             lay.local_view(self.storage.compute[lay.dtype]) for lay in self.layouts
         ]
@@ -639,21 +646,8 @@ class GTPEngine:
         (None: off the chain)."""
         bufs, sends = [], []
         for lay in lays:
-            if self.fp8:  # the packed FP8 slots; dequantized when the gather is consumed
-                send = self.storage.packed_slots[lay.index]
-                buf = self.pool.reserve(lay.world * send.numel(), torch.uint8)
-            elif self._cast_on_gather[lay.index]:
-                buf = self.pool.reserve(lay.gathered_numel, self.param_dtype)
-                if self.comm.gather_copies is not None:
-                    send = self._slots[lay.index]  # cast on the copy-engine stream
-                else:
-                    # In place: this rank's part of the output is the input (NCCL and gloo
-                    # allow it).
-                    send = buf.tensor[lay.rank * lay.slot_numel : (lay.rank + 1) * lay.slot_numel]
-                    send.copy_(self._slots[lay.index])
-            else:
-                send = self._slots[lay.index]
-                buf = self.pool.reserve(lay.gathered_numel, send.dtype)
+            send = self._sends[lay.index]  # FP8 slots are dequantized when consumed
+            buf = self.pool.reserve(lay.world * send.numel(), self._gather_dtypes[lay.index])
             buf.owner = lay
             bufs.append(buf)
             sends.append(send)

@@ -12,7 +12,7 @@ import fnmatch
 import importlib
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -20,9 +20,9 @@ from torch import nn
 from .errors import PolicyError
 
 Action = Literal["shard", "replicate"]
-_ACTIONS = ("shard", "replicate")
+_ACTIONS = get_args(Action)
 Collectives = Literal["process_group", "copy_engine"]
-_COLLECTIVES = ("process_group", "copy_engine")
+_COLLECTIVES = get_args(Collectives)
 _GLOB_CHARS = frozenset("*?[")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
