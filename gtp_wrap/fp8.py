@@ -17,6 +17,7 @@ coarsens its whole row, which is the price of the faster GEMM.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import TYPE_CHECKING
 
@@ -102,13 +103,34 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     """x @ (weight * scale[:, None]).T in x's dtype, as one FP8 GEMM: the rows of `x` (2-D)
     quantized on the fly with one scale each, `weight` (FP8, row-major) with its row scales."""
     xq, xs = quantize(x)
+    xq = xq.view(fp8_dtype())
+    if not _rowwise_scaled_mm(x.device.type):
+        # The same FP8 operands and scales, multiplied in fp32 (the products of two FP8
+        # values are exact there; the sum is in another order than the FP8 GEMM's).
+        dq = (xq.float() * xs[:, None]) @ (weight.float() * scale[:, None]).t()
+        return dq.to(x.dtype)
     return torch._scaled_mm(
-        xq.view(fp8_dtype()),
-        weight.t(),
-        scale_a=xs[:, None],
-        scale_b=scale[None, :],
-        out_dtype=x.dtype,
+        xq, weight.t(), scale_a=xs[:, None], scale_b=scale[None, :], out_dtype=x.dtype
     )
+
+
+@functools.cache
+def _rowwise_scaled_mm(device_type: str) -> bool:
+    """Whether torch._scaled_mm takes one scale per row on this device type.
+
+    Note: CUDA's does from torch 2.11 on, the CPU backend only from 2.13 (2.11's raises an
+    internal assert). Asking the backend itself, once, keeps fp8_matmul usable for CPU
+    development on either version.
+    """
+    if device_type != "cpu":
+        return True
+    a = torch.zeros(16, 16).to(fp8_dtype())
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.float32)  # fmt: skip
+    except RuntimeError:
+        return False
+    return True
 
 
 def fits_gemm(lay: ShardLayout) -> bool:

@@ -225,6 +225,25 @@ def test_fp8_dequantization_rounds_once(numel: int, block: int) -> None:
     assert torch.equal(out, expected)
 
 
+def test_fp8_gemm_without_rowwise_backend_multiplies_the_same_operands() -> None:
+    """Where the CPU backend of torch._scaled_mm takes no row scales (torch 2.11), the FP8
+    GEMM multiplies the same quantized operands in fp32: both paths (where this torch has
+    both) are within one bf16 rounding of the exact product of those operands."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 64, generator=g).bfloat16(), torch.randn(48, 64, generator=g)
+    wq, ws = fp8.quantize(w)
+    wq = wq.view(fp8.fp8_dtype())
+    xq, xs = fp8.quantize(x)
+    exact = (xq.view(fp8.fp8_dtype()).double() * xs[:, None]) @ (wq.double() * ws[:, None]).t()
+    paths = [False] + ([True] if fp8._rowwise_scaled_mm("cpu") else [])
+    for rowwise in paths:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fp8, "_rowwise_scaled_mm", lambda device_type, rowwise=rowwise: rowwise)
+            got = fp8.scaled_linear(x, wq, ws)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)
+
+
 def test_fp8_pads_small_weights_instead_of_rejecting_them() -> None:
     numel = 37  # far below one block
     assert fp8.padded(numel) == fp8.BLOCK and fp8.packed_bytes(numel) == fp8.BLOCK + 4
