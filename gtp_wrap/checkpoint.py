@@ -103,6 +103,25 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
+def _drop_unsaved_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, targets: dict, pieces: dict
+) -> None:
+    """Remove the optimizer state of parameters the checkpoint holds none for.
+
+    Note: an optimizer has no state for a parameter that never had a gradient (an unused
+    branch, an expert no token was routed to, any parameter before the first step), so neither
+    has its checkpoint; the load created state for every parameter to fill it in place. Those
+    parameters resume stateless, as they were saved.
+    """
+    saved = {k[len("optim/") : k.rindex("/")] for k in pieces if k.startswith("optim/")}
+    param_of = dict(model.named_parameters())
+    for key in [k for k in targets if k.startswith("optim/")]:
+        fqn = key[len("optim/") : key.rindex("/")]
+        if fqn not in saved:
+            del targets[key]
+            optimizer.state.pop(param_of[fqn], None)
+
+
 # ---- pieces: which rows of which tensor this rank holds --------------------------------------
 
 
@@ -274,6 +293,8 @@ def load(
     targets = _flat_tensors(model, optimizer, for_load=True)
     if optimizer is None:  # a model-only load ignores the optimizer state
         pieces = {k: v for k, v in pieces.items() if not k.startswith("optim/")}
+    else:
+        _drop_unsaved_state(model, optimizer, targets, pieces)
     _check_keys(ckpt, targets, pieces)
     reader = _Reader(ckpt)
     with torch.no_grad():

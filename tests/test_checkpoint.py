@@ -231,3 +231,41 @@ def test_no_checkpoint_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         ckpt.load(tmp_path, TinyGPT(vocab=VOCAB))
     assert not dist.is_initialized()
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _resume_with_stateless_params(rank: int, world: int, root: str) -> dict:
+    """Checkpoints saved before the first step and after a step that left a branch unused."""
+    model = GTPWrap(_WithUnused(), POLICY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt.save(f"{root}/before", model, opt)
+    model(torch.randn(2, 8)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt.save(f"{root}/after", model, opt)
+    out = {"saved": _full_optimizer_state(model, opt)}
+    for which in ("before", "after"):
+        fresh = GTPWrap(_WithUnused(), POLICY)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        ckpt.load(f"{root}/{which}", fresh, fresh_opt)
+        out[which] = _full_optimizer_state(fresh, fresh_opt)
+    return out
+
+
+def test_resume_with_parameters_that_have_no_optimizer_state(tmp_path) -> None:
+    """A parameter without optimizer state when saved (never had a gradient) resumes without
+    state, instead of the load refusing the checkpoint for missing keys."""
+    for got in run_ranks(_resume_with_stateless_params, 2, str(tmp_path)):
+        assert got["before"] == {}
+        assert not any(k.startswith("unused.") for k in got["after"])
+        assert {k.split("/")[0] for k in got["after"]} == {"used.weight", "used.bias"}
+        _assert_same(got["after"], got["saved"], rtol=0, atol=0)
