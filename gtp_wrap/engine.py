@@ -417,6 +417,7 @@ class GTPEngine:
             if self._reducing is not None and self._reducing.pending is not None:
                 self.comm.abandon(self._reducing.pending)
             self._collecting, self._reducing = ReduceGroup(), None
+            self.replicated.abandon()
             self._end_pass(failed=True)
 
     def _begin_pass(self, kind: PassKind) -> PassState:

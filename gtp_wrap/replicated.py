@@ -39,12 +39,15 @@ class ReplicatedGrads:
 
     def __init__(self, params: list[nn.Parameter], comm: Comm) -> None:
         self.comm = comm
-        trainable = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
         # Grads become ready roughly in reverse registration order, so buckets follow it.
-        groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for p in reversed(trainable):
-            groups.setdefault((p.dtype, p.device), []).append(p)
+        # Note: parameters frozen now may be unfrozen later (fine-tuning schedules); they get
+        # buckets of their own, which launch only when backward ends and only while one of
+        # their parameters requires grad, so the others' buckets still launch early.
+        groups: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
+        for p in reversed(params):
+            if p.is_floating_point() or p.is_complex():
+                groups.setdefault((p.dtype, p.device, p.requires_grad), []).append(p)
         for group in groups.values():
             current: list[nn.Parameter] = []
             nbytes = 0
@@ -70,7 +73,8 @@ class ReplicatedGrads:
 
         for b in self.buckets:
             for p in b.params:
-                p.register_post_accumulate_grad_hook(on_grad)
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(on_grad)
 
     def _launch(self, bucket: _Bucket) -> None:
         offset = 0
@@ -95,11 +99,12 @@ class ReplicatedGrads:
     def finish(self) -> None:
         """Launch the buckets still waiting, then land every reduced grad in `.grad`."""
         for bucket in self.buckets:
-            if bucket.pending is None:
+            if bucket.pending is None and any(p.requires_grad for p in bucket.params):
                 self._launch(bucket)
         for bucket in self.buckets:
-            if bucket.pending is not None:
-                self.comm.wait(bucket.pending)
+            if bucket.pending is None:  # every parameter frozen: nothing to reduce
+                continue
+            self.comm.wait(bucket.pending)
             has_grad = bucket.flags.tolist() if bucket.locally_missing else [1] * len(bucket.params)
             offset = 0
             for p, n, flag in zip(bucket.params, bucket.sizes, has_grad):
@@ -112,3 +117,15 @@ class ReplicatedGrads:
                 offset += n
             bucket.ready.clear()
             bucket.pending = None
+
+    def abandon(self) -> None:
+        """Forget a backward that raised: drop its launched all-reduces and its marks of which
+        grads were ready, so the next backward launches every bucket afresh."""
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                self.comm.abandon(bucket.pending)
+                # A dropped all-reduce may still write its result: give it the old buffer.
+                bucket.flat = torch.zeros_like(bucket.flat)
+                bucket.flags = bucket.flat[sum(bucket.sizes) :]
+            bucket.pending = None
+            bucket.ready.clear()

@@ -44,17 +44,22 @@ def _patterns(rank: int, world: int) -> dict:
     bf16 = GTPWrap(_model(), {"min_shard_numel": 0, "param_dtype": "bfloat16"})
     out["bf16_out"] = str(bf16(idx).dtype)
 
-    # A backward that raises part-way must not leave the engine in a pass.
+    # A backward that raises part-way (after the replicated bias's all-reduce was launched)
+    # must not leave the engine in a pass, nor that all-reduce's result for the next step.
     torch.manual_seed(0)
     model, ref = GTPWrap(TransposeHead(), {"min_shard_numel": 0}), _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    h = model(idx)
-    h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+
+    def boom(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+
+    hook = model.embed.register_forward_hook(boom)
     try:
-        h.sum().backward()
+        model(idx).sum().backward()
     except RuntimeError as e:
         out["raised"] = "boom" in str(e)
+    hook.remove()
     opt.zero_grad()
     x = torch.arange(12).view(4, 3) % 16
     rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
@@ -65,6 +70,18 @@ def _patterns(rank: int, world: int) -> dict:
     ref_opt.step()
     full = gtp_wrap.full_state_dict(model)
     out["after_error"] = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+    # A replicated parameter frozen when wrapped and unfrozen later is still all-reduced.
+    ref = _model()
+    frozen = _model()
+    frozen.proj.bias.requires_grad_(False)
+    model = GTPWrap(frozen, {"min_shard_numel": 0})
+    model(x[rows]).sum().backward()
+    out["frozen_grad"] = model.proj.bias.grad
+    model.proj.bias.requires_grad_(True)
+    model(x[rows]).sum().backward()
+    ref(x).sum().backward()  # the mean over ranks of each rank's sum
+    out["unfrozen_diff"] = (model.proj.bias.grad - ref.proj.bias.grad / world).abs().max().item()
     dist.barrier()
     return out
 
@@ -77,6 +94,7 @@ def test_access_patterns_and_recovery() -> None:
         assert r["bf16_out"] == "torch.bfloat16"
         assert r["raised"] and r["open_passes"] == 0
         assert r["after_error"] < 1e-6
+        assert r["frozen_grad"] is None and r["unfrozen_diff"] < 1e-5
 
 
 def _forward_inside_backward(rank: int, world: int, group_numel: int) -> float:
