@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import sys
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
+from torch.utils.hooks import RemovableHandle
 
 from . import copy_engine, fp8, fp8_triton
 from .buffers import GatherBufferPool
@@ -143,6 +145,10 @@ class GTPEngine:
         self.region_weights: dict[int, str] = {}
         self._collecting = ReduceGroup()  # gradients not yet issued
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
+        # Users' post-accumulate-grad hooks on sharded parameters, by layout index, and the
+        # indices whose `.grad` this backward has written (see `add_grad_hook`).
+        self._grad_hooks: dict[int, OrderedDict[int, Callable[[torch.Tensor], None]]] = {}
+        self._landed: dict[int, None] = {}
 
         self._check_ranks_agree(plans)
         if policy.gather_dtype is not None:
@@ -243,7 +249,8 @@ class GTPEngine:
             replicated = [self._manage_replicated(plan) for plan in plans if plan.shard_dim is None]
         self.cast_params = [p for p in replicated if isinstance(p, GTPParameter)]
         _live_engines.add(self)
-        self.replicated = ReplicatedGrads(replicated, self.comm)
+        names = [plan.fqns[0] for plan in plans if plan.shard_dim is None]
+        self.replicated = ReplicatedGrads(replicated, names, self.comm)
         if mesh.world_size > 1:
             self.replicated.register(self)
         root.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
@@ -418,6 +425,7 @@ class GTPEngine:
                 self.comm.abandon(self._reducing.pending)
             self._collecting, self._reducing = ReduceGroup(), None
             self.replicated.abandon()
+            self._landed.clear()
             self._end_pass(failed=True)
 
     def _begin_pass(self, kind: PassKind) -> PassState:
@@ -505,6 +513,30 @@ class GTPEngine:
             if not self.keep_buffers:
                 self._eager.pool.release_free()
                 self._eager.staging.clear()
+        landed, self._landed = self._landed, {}
+        # Still inside autograd's graph task, where a sharded parameter would read as its
+        # gathered weight: the hooks see the shards, as outside backward.
+        with torch._C.DisableTorchFunctionSubclass():
+            for index in landed:
+                for hook in list(self._grad_hooks.get(index, {}).values()):
+                    hook(self.params[index])
+
+    def add_grad_hook(
+        self, param: GTPParameter, hook: Callable[[torch.Tensor], None]
+    ) -> RemovableHandle:
+        """`param.register_post_accumulate_grad_hook(hook)` for a sharded parameter.
+
+        Note: autograd never accumulates into a sharded parameter (the engine writes its
+        reduced rows into `.grad` when the reduce-scatter is finalized), so autograd would run
+        such a hook too early, with `.grad` not yet written. The engine runs it instead, once
+        per backward, after that backward's last gradient landed and its pass closed, so the
+        hook may step an optimizer on the shard (optimizer-in-backward).
+        """
+        # An OrderedDict, as torch's own hook dicts: the handle keeps a weak reference to it.
+        hooks = self._grad_hooks.setdefault(param._gtp_layout.index, OrderedDict())
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
 
     @contextlib.contextmanager
     def scoped(self, name: str):
@@ -782,6 +814,7 @@ class GTPEngine:
             self.comm.wait(self.comm.all_reduce(g.out, "dp", self._dp_what[lay.index]))
             param = self.params[lay.index]
             local = lay.local_of_slot(g.out)
+            self._landed[lay.index] = None
             if g.direct:
                 param.grad = local
                 continue

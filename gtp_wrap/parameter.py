@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from .errors import WrapError
+
 if TYPE_CHECKING:
     from .engine import GTPEngine
     from .storage import ShardLayout
@@ -75,6 +77,22 @@ class GTPParameter(nn.Parameter):
             if not is_use(func):
                 return func(*args, **kwargs)
             return engine.call_with_full_weights(func, args, kwargs)
+
+    def register_hook(self, hook):  # type: ignore[override]
+        if self._gtp_layout is None:
+            return super().register_hook(hook)
+        raise WrapError(
+            f"register_hook on the sharded parameter '{self._gtp_layout.fqn}': no gradient "
+            "flows into it through autograd (the engine reduce-scatters the full weight's "
+            "gradient and writes this rank's rows into .grad), so the hook would only ever see "
+            "None. Use register_post_accumulate_grad_hook, which runs once the reduced "
+            "gradient is in .grad, or change .grad after backward"
+        )
+
+    def register_post_accumulate_grad_hook(self, hook):  # type: ignore[override]
+        if self._gtp_layout is None:
+            return super().register_post_accumulate_grad_hook(hook)
+        return self._gtp_engine.add_grad_hook(self, hook)
 
 
 def is_use(func) -> bool:

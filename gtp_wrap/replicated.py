@@ -8,6 +8,7 @@ grad, so a parameter no rank used keeps `.grad = None` exactly like in unsharded
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,8 +38,10 @@ class _Bucket:
 class ReplicatedGrads:
     """Bucketed, overlapped all-reduce of the replicated parameters' grads."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Comm) -> None:
+    def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm) -> None:
         self.comm = comm
+        self._name_of = {id(p): name for p, name in zip(params, names)}
+        self._warned: set[int] = set()
         self.buckets: list[_Bucket] = []
         # Grads become ready roughly in reverse registration order, so buckets follow it.
         # Note: parameters frozen now may be unfrozen later (fine-tuning schedules); they get
@@ -66,6 +69,8 @@ class ReplicatedGrads:
             if not engine.sync_replicated:
                 return
             engine._ensure_backward()
+            if len(p._post_accumulate_grad_hooks or ()) > 1 and id(p) not in self._warned:
+                self._warn_user_hook(p)
             bucket = self._bucket_of[id(p)]
             bucket.ready.add(id(p))
             if len(bucket.ready) == len(bucket.params) and bucket.pending is None:
@@ -75,6 +80,17 @@ class ReplicatedGrads:
             for p in b.params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(on_grad)
+
+    def _warn_user_hook(self, p: torch.Tensor) -> None:
+        self._warned.add(id(p))
+        warnings.warn(
+            f"a post-accumulate-grad hook on the replicated parameter '{self._name_of[id(p)]}' "
+            "runs with this rank's own gradient, before the all-reduce across ranks (as with "
+            "DDP); the reduced gradient is in .grad only when backward returns. To step it "
+            "inside backward with the reduced gradient, shard it (a LayerRule with action "
+            "'shard'): a sharded parameter's hooks run once its reduced gradient has landed",
+            stacklevel=2,
+        )
 
     def _launch(self, bucket: _Bucket) -> None:
         offset = 0

@@ -1,0 +1,77 @@
+"""Gradient hooks on sharded parameters: post-accumulate-grad hooks see the reduced gradient;
+tensor hooks, which would see no gradient at all, are refused with the alternative named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_ranks
+from torch import nn
+
+from gtp_wrap import GTPWrap, WrapError, full_state_dict
+
+
+def _model(bias: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16, bias=bias), nn.Tanh(), nn.Linear(16, 4, bias=bias))
+
+
+def _optimizer_in_backward(rank: int, world: int) -> dict:
+    """The optimizer-in-backward pattern (an SGD per parameter, stepped by its post-accumulate
+    hook) against plain steps of the unsharded model on the whole batch."""
+    model, ref = GTPWrap(_model(bias=False), {"min_shard_numel": 0}), _model(bias=False)
+    seen: list[tuple[str, bool]] = []
+    names = {id(p): n for n, p in model.named_parameters()}
+    optims = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        seen.append((names[id(p)], p.grad is not None))
+        optims[p].step()
+        optims[p].zero_grad()
+
+    handles = [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        model(x[rank * 2 : rank * 2 + 2]).square().sum().backward()
+        ref(x).square().sum().div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got, full = full_state_dict(model), ref.state_dict()
+    handles[0].remove()
+    calls = len(seen)
+    model(x[:2]).sum().backward()
+    return {
+        "seen": seen[:calls],
+        "after_remove": len(seen) - calls,
+        "diff": max((got[k] - full[k]).abs().max().item() for k in full),
+    }
+
+
+def test_post_accumulate_hooks_see_the_reduced_grad() -> None:
+    for got in run_ranks(_optimizer_in_backward, 2):
+        assert len(got["seen"]) == 3 * 2, got["seen"]  # once per parameter per backward
+        assert all(has_grad for _, has_grad in got["seen"]), got["seen"]
+        assert got["after_remove"] == 1  # the removed hook (0.weight's) no longer runs
+        assert got["diff"] < 1e-6
+
+
+def test_tensor_hook_on_a_sharded_parameter_is_refused() -> None:
+    model = GTPWrap(_model(), {"min_shard_numel": 0})
+    with pytest.raises(WrapError, match="'0.weight'.*register_post_accumulate_grad_hook"):
+        model[0].weight.register_hook(lambda g: g)
+    model[0].bias.register_hook(lambda g: g)  # replicated: autograd's own hooks
+
+
+def _replicated_hook(rank: int, world: int) -> list[str]:
+    model = GTPWrap(_model(), {"min_shard_numel": 0})
+    model[0].bias.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.warns(UserWarning) as caught:
+        model(torch.ones(2, 8)).sum().backward()
+    return [str(w.message) for w in caught]
+
+
+def test_hook_on_a_replicated_parameter_warns_it_sees_the_local_grad() -> None:
+    """Autograd runs hooks of replicated parameters before GTP's all-reduce, as DDP's."""
+    for messages in run_ranks(_replicated_hook, 2):
+        assert any("'0.bias'" in m and "before the all-reduce" in m for m in messages), messages
