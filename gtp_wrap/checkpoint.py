@@ -59,7 +59,13 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         entry = {}
         for k, v in state.items():
             lay = layout_of.get(id(p))
-            if engine and lay is not None and isinstance(v, torch.Tensor) and v.shape == p.shape:
+            if (
+                engine
+                and engine.mesh.device_mesh is not None  # one process: the shard is the whole
+                and lay is not None
+                and isinstance(v, torch.Tensor)
+                and v.shape == p.shape
+            ):
                 v = to_dtensor(engine, lay, v)
             entry[k] = v
         out[fqn_of[id(p)]] = entry

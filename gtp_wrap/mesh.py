@@ -7,6 +7,7 @@ is a data-parallel rank, so gradients are averaged over `dp x gtp`.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,13 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None, device: torch.devi
             raise WrapError(
                 "a mesh was given but torch.distributed is not initialized; call "
                 "dist.init_process_group() first (torchrun sets the environment it needs)"
+            )
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1:  # else every rank would train a model of its own, silently
+            raise WrapError(
+                f"this process was launched as one of WORLD_SIZE={launched} ranks, but "
+                "torch.distributed is not initialized; call dist.init_process_group() before "
+                "GTPWrap"
             )
         return GTPMesh(None, None, None, gtp_rank=0, gtp_size=1, dp_size=1)
 

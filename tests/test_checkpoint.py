@@ -269,3 +269,17 @@ def test_resume_with_parameters_that_have_no_optimizer_state(tmp_path) -> None:
         assert not any(k.startswith("unused.") for k in got["after"])
         assert {k.split("/")[0] for k in got["after"]} == {"used.weight", "used.bias"}
         _assert_same(got["after"], got["saved"], rtol=0, atol=0)
+
+
+def test_single_process_save_and_load_with_optimizer(tmp_path) -> None:
+    """Without torch.distributed: one process's shards are the whole weights."""
+    assert not dist.is_initialized()
+    model = GTPWrap(_model(), POLICY)
+    opt = _optimizer(model)
+    _step(model, opt, 0, 0, 1)
+    ckpt.save(tmp_path, model, opt, extra={"step": 1})
+    fresh = GTPWrap(TinyGPT(vocab=VOCAB), POLICY)
+    fresh_opt = _optimizer(fresh)
+    assert ckpt.load(tmp_path, fresh, fresh_opt) == {"step": 1}
+    _assert_same(_full_optimizer_state(fresh, fresh_opt), _full_optimizer_state(model, opt))
+    _assert_same(gtp_wrap.full_state_dict(fresh), gtp_wrap.full_state_dict(model))

@@ -69,10 +69,16 @@ def test_invalid_policy_fields_and_files(tmp_path) -> None:
         GTPPolicy(loss_reduction="max")  # type: ignore[arg-type]
 
 
-def test_mesh_without_distributed() -> None:
+def test_mesh_without_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dist.is_initialized()
     with pytest.raises(WrapError, match="not initialized"):
         GTPWrap(_mlp(), mesh=object())  # type: ignore[arg-type]
+    # Launched by torchrun but never initialized: each rank would train alone.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(WrapError, match="WORLD_SIZE=2.*init_process_group"):
+        GTPWrap(_mlp())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    GTPWrap(_mlp())
 
 
 class _RankOrder(nn.Module):
