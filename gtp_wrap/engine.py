@@ -20,7 +20,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._pytree import tree_map_only
 from torch.utils.hooks import RemovableHandle
 
@@ -54,6 +57,27 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
+
+# The parameters wrapping replaced (by id): an optimizer built before GTPWrap holds these, gets
+# no gradients for them, and would silently train nothing but what was left in place.
+_replaced: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _replaced:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if _replaced.get(id(p)) is p:
+                raise WrapError(
+                    f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} "
+                    "that GTPWrap replaced (it was built before wrapping), so it would not train "
+                    "the wrapped weights; build the optimizer from model.parameters() after "
+                    "GTPWrap"
+                )
+
+
+register_optimizer_step_pre_hook(_before_optimizer_step)
 
 
 @dataclasses.dataclass
@@ -339,8 +363,7 @@ class GTPEngine:
         param = make_gtp_parameter(
             lay.local_view(flat), plan.param.requires_grad, lay, self, self.param_dtype
         )
-        for module, name in plan.owners:
-            module._parameters[name] = param
+        _replace(plan, param)
         return param
 
     def _hook_owners(self, root: nn.Module, plans: list[ParameterPlan]) -> None:
@@ -380,8 +403,7 @@ class GTPEngine:
         )
         param._gtp_cast = torch.empty_like(param, dtype=self.param_dtype)
         param._gtp_cast_version = -1
-        for module, name in plan.owners:
-            module._parameters[name] = param
+        _replace(plan, param)
         return param
 
     def _refresh_casts(self) -> None:
@@ -840,6 +862,13 @@ class GTPEngine:
 
     def reset_stats(self) -> None:
         self.stats = Stats(peak_gathered_bytes=self.gather_bytes())
+
+
+def _replace(plan: ParameterPlan, param: nn.Parameter) -> None:
+    """Register `param` in place of the planned one wherever that was registered."""
+    for module, name in plan.owners:
+        module._parameters[name] = param
+    _replaced[id(plan.param)] = plan.param
 
 
 def _collective_what(lays: list[ShardLayout], one: list[str], action: str, context: str) -> str:

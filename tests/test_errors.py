@@ -81,6 +81,16 @@ def test_mesh_without_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
     GTPWrap(_mlp())
 
 
+def test_optimizer_built_before_wrapping_is_refused() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    GTPWrap(model, {"min_shard_numel": 0})
+    model(torch.randn(2, model[0].in_features)).sum().backward()
+    with pytest.raises(WrapError, match="built before wrapping.*after GTPWrap"):
+        opt.step()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # built after: fine
+
+
 class _RankOrder(nn.Module):
     """Uses its two same-shape weights in a rank-dependent order."""
 
