@@ -76,11 +76,19 @@ class PassState:
     kind: PassKind
     scope: str | None  # None: the model's own pass; a name: a graphed region's
     chain: Chain | None
+    # A forward opened by a submodule called on its own (`model.embed(idx)`): its name, so
+    # each such call keeps a chain of its own. None: the root's forward, or a backward.
+    opener: str | None = None
     cursor: int = 0  # the chain position of the next use
     diverged: bool = False
     recorded: list[int] = dataclasses.field(default_factory=list)
     inflight: collections.deque[Gather] = dataclasses.field(default_factory=collections.deque)
     exit_hooks: object | None = None  # the saved-tensor hooks context this pass entered
+
+    @property
+    def key(self) -> tuple[PassKind, str | None, str | None]:
+        """Which recorded chain this pass follows."""
+        return self.kind, self.scope, self.opener
 
     def expects(self, index: int) -> bool:
         """Whether the next use in the recorded chain is the weight `index`."""

@@ -60,6 +60,7 @@ class Comm:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._tag = tag
         self._exchanges = 0
+        self._previous = ""  # the purpose/number of the last exchange, whose key to delete next
         # Gloo differs twice. Its waits block the host, so they take our timeout. And a group
         # is issued there one collective per weight: a gloo Work keeps its outputs referenced
         # until dropped, and one Work shared by a group would keep every buffer of the group
@@ -207,6 +208,11 @@ class Comm:
         for key in keys:
             raw = store.get(key).decode()
             out.append([int(v) for v in raw.split(",")] if raw else [])
+        # Every rank set this exchange's key after reading all of the previous one's, so no
+        # one reads this rank's previous key anymore: the store keeps two exchanges, not all.
+        if self._exchanges > 1:
+            store.delete_key(f"gtp_wrap/{self._tag}/{self._previous}/{dist.get_rank()}")
+        self._previous = f"{purpose}/{self._exchanges}"
         return out
 
 

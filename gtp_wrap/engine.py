@@ -163,7 +163,7 @@ class GTPEngine:
         self._passes: list[PassState] = []
         # Chains per pass kind and scope: None for the model's own passes, a name for each
         # CUDA-graphed region, whose passes run standalone at capture and never mix with ours.
-        self._chains: dict[tuple[PassKind, str | None], Chain] = {}
+        self._chains: dict[tuple[PassKind, str | None, str | None], Chain] = {}  # PassState.key
         self._scope: str | None = None
         # Weights gathered inside graphed regions, by layout index: the region's name.
         self.region_weights: dict[int, str] = {}
@@ -370,11 +370,14 @@ class GTPEngine:
         """A submodule called on its own (`model.embed(idx)` in generation code) opens a pass
         too, so its weights are gathered rather than silently used as local shards."""
         opened: list[bool] = []
+        names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
 
         def pre(module: nn.Module, args: Any, kwargs: dict) -> Any:
             # Inside backward (a checkpoint recompute) uses are intercepted already.
             opened.append(not self._passes and torch._C._current_graph_task_id() == -1)
-            return self._pre_forward(module, args, kwargs) if opened[-1] else None
+            if not opened[-1]:
+                return None
+            return self._pre_forward(module, args, kwargs, opener=names[id(module)])
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
             if opened and opened.pop():
@@ -450,10 +453,11 @@ class GTPEngine:
             self._landed.clear()
             self._end_pass(failed=True)
 
-    def _begin_pass(self, kind: PassKind) -> PassState:
+    def _begin_pass(self, kind: PassKind, opener: str | None = None) -> PassState:
         if self.param_dtype is not None or self.fp8:
             self._refresh_casts()
-        state = PassState(kind, self._scope, self._chains.get((kind, self._scope)))
+        state = PassState(kind, self._scope, None, opener=opener)
+        state.chain = self._chains.get(state.key)
         self._passes.append(state)
         _OpenPasses.count += 1
         return state
@@ -473,7 +477,8 @@ class GTPEngine:
         self._drain(state)
         if state.followed_chain() or self.mesh.gtp_size == 1:
             return
-        everyone = self.comm.exchange(f"chain-{state.kind.value}-{state.scope}", state.recorded)
+        purpose = f"chain-{state.kind.value}-{state.scope}-{state.opener}"
+        everyone = self.comm.exchange(purpose, state.recorded)
         diff = first_difference(everyone)
         if diff is not None:
             pos, entries = diff
@@ -485,14 +490,17 @@ class GTPEngine:
                 "collectively, so every rank must run the same weights in the same order "
                 "(make data-dependent branches agree across ranks)"
             )
-        self._chains[(state.kind, state.scope)] = Chain.build(
+        self._chains[state.key] = Chain.build(
             state.recorded, self._gathered_numels, self.policy.group_numel
         )
 
-    def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
+    def _pre_forward(
+        self, module: nn.Module, args: Any, kwargs: dict, opener: str | None = None
+    ) -> Any:
         self._close_abandoned_backward()  # a forward inside backward nests in its pass
         grad = torch.is_grad_enabled()
-        state = self._begin_pass(PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD)
+        kind = PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD
+        state = self._begin_pass(kind, opener)
         if grad:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
@@ -595,6 +603,18 @@ class GTPEngine:
         lay = self._linear_layout(func, args, kwargs) if self._own_linear else None
         if lay is not None:
             return self._linear(lay, *args, **kwargs)
+        written = _written_param(func, args, kwargs)
+        if written is not None:
+            p = written
+            name = p._gtp_layout.fqn if p._gtp_layout is not None else "a replicated parameter"
+            raise WrapError(
+                f"{getattr(func, '__name__', func)} writes in place to '{name}' during a "
+                "forward or backward pass, where it reads as a temporary copy (the gathered "
+                "weight, or its compute-dtype copy), so the write would be lost (e.g. "
+                "nn.Embedding(max_norm=...) renormalizes its weight this way). Replicate that "
+                "weight (a LayerRule with action 'replicate', without param_dtype) or change "
+                "it outside passes, under torch.no_grad()"
+            )
         full: dict[int, torch.Tensor] = {}
 
         def substitute(p: GTPParameter) -> torch.Tensor:
@@ -862,6 +882,41 @@ class GTPEngine:
 
     def reset_stats(self) -> None:
         self.stats = Stats(peak_gathered_bytes=self.gather_bytes())
+
+
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__"
+    for op in (
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "matmul",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+    )  # fmt: skip
+) | {"__setitem__"}
+
+
+def _written_param(func: Callable, args: tuple, kwargs: dict) -> GTPParameter | None:
+    """The engine parameter `func` writes into, if any: the first argument of PyTorch's
+    trailing-underscore ops and of the in-place operators, and the weight of an embedding
+    lookup with `max_norm` (which renormalizes the rows it reads)."""
+    if func is F.embedding:
+        max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
+        weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
+        return weight if max_norm is not None and type(weight) is GTPParameter else None
+    if not args or type(args[0]) is not GTPParameter:
+        return None
+    name = getattr(func, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__") and name != "requires_grad_"
+    return args[0] if in_place or name in _IN_PLACE_DUNDERS else None
 
 
 def _replace(plan: ParameterPlan, param: nn.Parameter) -> None:

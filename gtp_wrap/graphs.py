@@ -403,7 +403,7 @@ class _Region:
         """Register the weights this region gathers: their gradients must come from its
         replays alone (the engine refuses a reduce of one outside the region)."""
         kinds = (PassKind.FORWARD, PassKind.BACKWARD)
-        chains = [self.engine._chains.get((kind, self.name)) for kind in kinds]
+        chains = [self.engine._chains.get((kind, self.name, None)) for kind in kinds]
         used = {index for chain in chains if chain is not None for index in chain.order}
         for index in sorted(used):
             other = self.engine.region_weights.get(index)

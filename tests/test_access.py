@@ -11,6 +11,7 @@ from torch import nn
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
+from gtp_wrap.api import engine_of
 from gtp_wrap.parameter import _OpenPasses
 
 
@@ -129,3 +130,39 @@ def _forward_inside_backward(rank: int, world: int, group_numel: int) -> float:
 def test_model_forward_inside_backward() -> None:
     for group_numel in (0, 1 << 24):
         assert max(run_ranks(_forward_inside_backward, 2, group_numel)) < 1e-6
+
+
+class EncoderHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        return self.enc(x) if skip_head else self.head(self.enc(x))
+
+
+def _chains_and_store(rank: int, world: int) -> dict:
+    model = GTPWrap(EncoderHead(), {"min_shard_numel": 0, "group_numel": 0})
+    comm, store = engine_of(model).comm, dist.distributed_c10d._get_default_store()
+    x, out = torch.randn(2, 8), {}
+    for step in range(6):  # submodules called on their own keep a chain each
+        if step == 2:
+            before = comm._exchanges
+        model.head(model.enc(x)).sum().backward()
+    out["split_new_records"] = comm._exchanges - before
+    for step in range(8):  # a pass that changes every step re-records every step
+        if step == 2:
+            before, keys = comm._exchanges, store.num_keys()
+        model(x, skip_head=step % 2 == 1).sum().backward()
+    out["alternating_records"] = comm._exchanges - before
+    out["store_growth"] = store.num_keys() - keys
+    return out
+
+
+def test_chains_per_submodule_call_and_a_bounded_store() -> None:
+    for got in run_ranks(_chains_and_store, 2):
+        assert got["split_new_records"] == 0, got
+        assert got["alternating_records"] >= 6, got  # the check each re-record makes
+        assert got["store_growth"] == 0, got  # its keys are deleted once read
