@@ -249,9 +249,14 @@ def _to_container(obj: Any) -> Any:
     return obj
 
 
-def _load_yaml(path: str) -> Mapping[str, Any]:
+def _load_yaml(path: str, including: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    """A policy file's fields. A file of a Hydra config group (configs/policy/*.yaml) may start
+    from others of its group through a `defaults` list, as Hydra composes it: each name is a
+    file beside this one, `_self_` places this file's own fields (last when absent)."""
     if not os.path.isfile(path):
         raise PolicyError(f"policy file {path!r} does not exist")
+    if path in including:
+        raise PolicyError(f"policy file {path!r} includes itself through its defaults list")
     try:
         from omegaconf import OmegaConf
     except ImportError as e:
@@ -261,7 +266,21 @@ def _load_yaml(path: str) -> Mapping[str, Any]:
     data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if not isinstance(data, dict):
         raise PolicyError(f"policy file {path!r} must hold a mapping of GTPPolicy fields")
-    return {str(k): v for k, v in data.items()}
+    own = {str(k): v for k, v in data.items()}
+    defaults = own.pop("defaults", ["_self_"])
+    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+        raise PolicyError(
+            f"policy file {path!r}: its defaults list may only name other policy files beside "
+            f"it and _self_, got {defaults!r}; compose anything else with Hydra"
+        )
+    fields: dict[str, Any] = {}
+    for name in defaults if "_self_" in defaults else [*defaults, "_self_"]:
+        if name == "_self_":
+            fields.update(own)
+        else:
+            sibling = os.path.join(os.path.dirname(path), f"{name}.yaml")
+            fields.update(_load_yaml(sibling, (*including, path)))
+    return fields
 
 
 @dataclasses.dataclass(frozen=True)

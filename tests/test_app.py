@@ -63,7 +63,8 @@ def _options(group: str) -> list[str]:
 def test_every_config_composes_and_instantiates(policy: str, model: str) -> None:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[f"policy={policy}", f"model={model}"])
-    resolve_policy(cfg.policy)
+    # The group's file given as a path composes as Hydra composes it.
+    assert resolve_policy(f"{CONFIG_DIR}/policy/{policy}.yaml") == resolve_policy(cfg.policy)
     with torch.device("meta"):
         gpt = GPT(GPTConfig(**OmegaConf.to_container(cfg.model)))
     assert sum(p.numel() for p in gpt.parameters()) == GPTConfig(**cfg.model).n_params
