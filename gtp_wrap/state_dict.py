@@ -7,11 +7,14 @@ torch.chunk's block along the shard dim, which is what the flat storage keeps.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .errors import WrapError
 
 if TYPE_CHECKING:
     from .engine import GTPEngine
@@ -36,35 +39,66 @@ def to_dtensor(engine: GTPEngine, lay: ShardLayout, local: torch.Tensor) -> DTen
 
 
 def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
-    """Make `state_dict()` return DTensors and `load_state_dict` accept them or full tensors."""
+    """Make `state_dict()` return DTensors and `load_state_dict` accept them or full tensors.
 
-    def to_dtensors(module: nn.Module, sd: dict, prefix: str, _meta: Any) -> None:
-        if engine.mesh.device_mesh is None:
-            return
-        for lay, fqns in zip(engine.layouts, engine.fqns):
-            for fqn in fqns:
-                if prefix + fqn in sd:
-                    with torch._C.DisableTorchFunctionSubclass():
-                        local = sd[prefix + fqn].detach()
-                    sd[prefix + fqn] = to_dtensor(engine, lay, local)
+    The hooks sit on each module that owns a sharded weight, not only on the root, so the state
+    dict of any submodule (`model.backbone.state_dict()`) converts its weights too.
+    """
+    owned: dict[int, tuple[nn.Module, list[tuple[str, ShardLayout]]]] = {}
+    for lay, fqns in zip(engine.layouts, engine.fqns):
+        for fqn in fqns:
+            path, _, name = fqn.rpartition(".")
+            module = root.get_submodule(path)
+            owned.setdefault(id(module), (module, []))[1].append((name, lay))
+    for module, weights in owned.values():
+        module._register_state_dict_hook(functools.partial(_to_dtensors, engine, weights))
+        module._register_load_state_dict_pre_hook(functools.partial(_to_local, engine, weights))
 
-    def to_local(sd: dict, prefix: str, *_: Any) -> None:
-        for lay, fqns in zip(engine.layouts, engine.fqns):
-            for fqn in fqns:
-                value = sd.get(prefix + fqn)
-                if value is None:
-                    continue
-                if isinstance(value, DTensor):
-                    if list(value.placements) == _placements(engine, lay.dim):
-                        value = value.to_local()
-                    else:
-                        value = value.full_tensor()
-                if value.shape == lay.shape:
-                    value = lay.local_rows_of(value)
-                sd[prefix + fqn] = value
 
-    root._register_state_dict_hook(to_dtensors)
-    root._register_load_state_dict_pre_hook(to_local)
+def _to_dtensors(
+    engine: GTPEngine,
+    weights: list[tuple[str, ShardLayout]],
+    module: nn.Module,
+    sd: dict,
+    prefix: str,
+    _meta: Any,
+) -> None:
+    if engine.mesh.device_mesh is None:
+        return
+    for name, lay in weights:
+        if prefix + name in sd:
+            with torch._C.DisableTorchFunctionSubclass():
+                local = sd[prefix + name].detach()
+            sd[prefix + name] = to_dtensor(engine, lay, local)
+
+
+def _to_local(
+    engine: GTPEngine,
+    weights: list[tuple[str, ShardLayout]],
+    sd: dict,
+    prefix: str,
+    meta: dict,
+    *_: Any,
+) -> None:
+    if meta.get("assign_to_params_buffers", False):
+        raise WrapError(
+            f"load_state_dict(assign=True) into a wrapped module would replace its sharded "
+            f"parameters ('{prefix}{weights[0][0]}', ...) with plain tensors; load without "
+            "assign (the values are copied into the shards), or load into the module before "
+            "GTPWrap"
+        )
+    for name, lay in weights:
+        value = sd.get(prefix + name)
+        if value is None:
+            continue
+        if isinstance(value, DTensor):
+            if list(value.placements) == _placements(engine, lay.dim):
+                value = value.to_local()
+            else:
+                value = value.full_tensor()
+        if value.shape == lay.shape:
+            value = lay.local_rows_of(value)
+        sd[prefix + name] = value
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -25,12 +25,26 @@ def _roundtrip(rank: int, world: int) -> dict:
     torch.manual_seed(1)
     other = GTPWrap(TinyGPT(vocab=47), {"min_shard_numel": 0})
     gtp_wrap.load_full_state_dict(other, full)
+    # A submodule's state dict converts its weights too, and loads back into the submodule.
+    block = model.blocks[0].state_dict()
+    block_full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in block.items()}
+    torch.manual_seed(2)
+    third = GTPWrap(TinyGPT(vocab=47), {"min_shard_numel": 0})
+    third.blocks[0].load_state_dict(block_full)
+    try:
+        third.load_state_dict(full, assign=True)
+        assign = "loaded"
+    except gtp_wrap.WrapError as e:
+        assign = str(e)
     return {
         "shapes": shapes,
         "local_rows": local_rows,
         "full": full,
         "expected": expected,
         "reloaded": other(x).detach(),
+        "block_types": {k: type(v).__name__ for k, v in block.items()},
+        "block_reloaded": gtp_wrap.full_state_dict(third),
+        "assign": assign,
     }
 
 
@@ -47,5 +61,11 @@ def test_state_dict_dtensors_and_full_export() -> None:
         plain.load_state_dict(r["full"])  # the unwrapped model accepts the export as is
         torch.testing.assert_close(plain(torch.zeros(1, 1, dtype=torch.long)).shape[-1], 47)
         torch.testing.assert_close(r["reloaded"], r["expected"], rtol=1e-5, atol=1e-6)
+        assert r["block_types"]["qkv.weight"] == DTensor.__name__
+        assert r["block_types"]["norm1.weight"] != DTensor.__name__
+        for k, v in r["full"].items():
+            if k.startswith("blocks.0."):
+                assert torch.equal(r["block_reloaded"][k], v), k
+        assert "assign=True" in r["assign"] and "without assign" in r["assign"], r["assign"]
     torch.manual_seed(0)
     torch.testing.assert_close(results[0]["full"], TinyGPT(vocab=47).state_dict())
