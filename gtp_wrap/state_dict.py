@@ -52,7 +52,9 @@ def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
             owned.setdefault(id(module), (module, []))[1].append((name, lay))
     for module, weights in owned.values():
         module._register_state_dict_hook(functools.partial(_to_dtensors, engine, weights))
-        module._register_load_state_dict_pre_hook(functools.partial(_to_local, engine, weights))
+        module._register_load_state_dict_pre_hook(
+            functools.partial(_to_local, engine, module, weights)
+        )
 
 
 def _to_dtensors(
@@ -74,6 +76,7 @@ def _to_dtensors(
 
 def _to_local(
     engine: GTPEngine,
+    module: nn.Module,
     weights: list[tuple[str, ShardLayout]],
     sd: dict,
     prefix: str,
@@ -98,7 +101,23 @@ def _to_local(
                 value = value.full_tensor()
         if value.shape == lay.shape:
             value = lay.local_rows_of(value)
+        param = module._parameters[name]
+        if _same_elements(value, param):
+            # The in-place round trip (state_dict, dcp.load, load_state_dict) hands back the
+            # shard itself, possibly with other strides along size-1 dims: copy_ would refuse
+            # that overlap, so hand over the parameter, which copies onto itself as a no-op.
+            value = param.detach()
         sd[prefix + name] = value
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of the very same elements."""
+    return (
+        a.shape == b.shape
+        and a.device == b.device
+        and a.data_ptr() == b.data_ptr()
+        and all(s == t for n, s, t in zip(a.shape, a.stride(), b.stride()) if n > 1)
+    )
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import run_ranks
 from models import TinyGPT
@@ -69,3 +70,27 @@ def test_state_dict_dtensors_and_full_export() -> None:
         assert "assign=True" in r["assign"] and "without assign" in r["assign"], r["assign"]
     torch.manual_seed(0)
     torch.testing.assert_close(results[0]["full"], TinyGPT(vocab=47).state_dict())
+
+
+def _dcp_in_place(rank: int, world: int, root: str, shape: tuple[int, int]) -> float:
+    """torch.distributed.checkpoint's in-place pattern, on a weight sharded along dim 1."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    policy = {"rules": [{"match": "Linear", "dim": 1}], "min_shard_numel": 0}
+    model = GTPWrap(torch.nn.Linear(*shape, bias=False), policy)
+    saved = gtp_wrap.full_state_dict(model)["weight"]
+    dcp.save(model.state_dict(), checkpoint_id=root)
+    with torch.no_grad():
+        model.weight.zero_()
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=root)
+    model.load_state_dict(sd)
+    return (gtp_wrap.full_state_dict(model)["weight"] - saved).abs().max().item()
+
+
+@pytest.mark.parametrize("shape", [(3, 1), (6, 8)])
+def test_dcp_in_place_load_of_dim1_shards(tmp_path, shape: tuple[int, int]) -> None:
+    """A (1, 3) weight's local block has other strides along its size-1 dim than its DTensor's
+    local tensor: loading must not trip over that overlap."""
+    assert run_ranks(_dcp_in_place, 2, str(tmp_path), shape) == [0.0, 0.0]
