@@ -241,7 +241,7 @@ class GTPEngine:
         # the same cached blocks. A graph_step sets keep_buffers for good: from its warm-up on,
         # the buffers its capture will read must exist and stay.
         self.keep_buffers = False
-        self._sync_from_rank0(plans)
+        self._sync_from_rank0(root, plans)
         self.params = [self._shard(plan, lay) for plan, lay in zip(sharded, self.layouts)]
         self._gathered_numels = [lay.gathered_numel for lay in self.layouts]  # chain groups
         # Views used on every weight use, made once here rather than per use.
@@ -388,13 +388,14 @@ class GTPEngine:
             module.register_forward_pre_hook(pre, with_kwargs=True)
             module.register_forward_hook(post, always_call=True)
 
-    def _sync_from_rank0(self, plans: list[ParameterPlan]) -> None:
-        """Start every rank from rank 0's parameters, as DDP does, so ranks that initialized
-        with different seeds still train one model."""
+    def _sync_from_rank0(self, root: nn.Module, plans: list[ParameterPlan]) -> None:
+        """Start every rank from rank 0's parameters and buffers, as DDP does, so ranks that
+        initialized with different seeds still train one model."""
+        named = [(plan.fqns[0], plan.param.data) for plan in plans]
         with torch.no_grad():
-            for plan in plans:
-                what = f"broadcast of '{plan.fqns[0]}' from rank 0"
-                self.comm.wait(self.comm.broadcast(plan.param.data, what))
+            for name, tensor in named + list(root.named_buffers()):
+                what = f"broadcast of '{name}' from rank 0"
+                self.comm.wait(self.comm.broadcast(tensor, what))
 
     def _manage_replicated(self, plan: ParameterPlan) -> nn.Parameter:
         """With a compute dtype, a replicated floating-point parameter is used through a copy in

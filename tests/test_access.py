@@ -22,6 +22,7 @@ class TransposeHead(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(16, 8)
         self.proj = nn.Linear(8, 8)
+        self.register_buffer("noise", torch.rand(3))  # differs per seed; unused in forward
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.proj(self.embed(idx)))
@@ -39,6 +40,7 @@ def _patterns(rank: int, world: int) -> dict:
     ref = _model()
     model = GTPWrap(_model(seed=rank), {"min_shard_numel": 0})  # seeds differ per rank
     out = {"replicated_equal": torch.equal(model.proj.bias.detach(), ref.proj.bias.detach())}
+    out["buffer_equal"] = torch.equal(model.noise, ref.noise)
     out["forward"] = (model(idx) - ref(idx)).abs().max().item()  # every rank: it gathers
     with torch.no_grad():  # a submodule on its own, outside the root's forward
         out["submodule"] = model.embed(idx).shape == ref.embed(idx).shape
@@ -90,6 +92,7 @@ def _patterns(rank: int, world: int) -> dict:
 def test_access_patterns_and_recovery() -> None:
     for r in run_ranks(_patterns, 2):
         assert r["replicated_equal"], "every rank must start from rank 0's parameters"
+        assert r["buffer_equal"], "and from rank 0's buffers"
         assert r["forward"] < 1e-6
         assert r["submodule"]
         assert r["bf16_out"] == "torch.bfloat16"
@@ -154,9 +157,11 @@ def _chains_and_store(rank: int, world: int) -> dict:
     out["split_new_records"] = comm._exchanges - before
     for step in range(8):  # a pass that changes every step re-records every step
         if step == 2:
+            dist.barrier()  # both ranks done with the same exchanges when counting keys
             before, keys = comm._exchanges, store.num_keys()
         model(x, skip_head=step % 2 == 1).sum().backward()
     out["alternating_records"] = comm._exchanges - before
+    dist.barrier()
     out["store_growth"] = store.num_keys() - keys
     return out
 
