@@ -290,6 +290,14 @@ class GTPEngine:
         "gather_dtype", "fp8_matmul", "collectives",
     )  # fmt: skip
 
+    def __deepcopy__(self, memo: dict) -> GTPEngine:
+        raise WrapError(
+            "a wrapped module cannot be deep-copied: its engine holds process groups, streams "
+            "and collective state. For an EMA or teacher copy, deep-copy the module before "
+            "GTPWrap and wrap the copy too, or load gtp_wrap.full_state_dict(model) into a "
+            "fresh unwrapped model"
+        )
+
     def _check_ranks_agree(self, plans: list[ParameterPlan]) -> None:
         """Every rank must plan the same parameters the same way, with the same policy, checked
         before any collective."""

@@ -115,6 +115,14 @@ def test_in_place_write_to_a_weight_during_a_pass_is_refused(how: str) -> None:
         model(x)
 
 
+def test_deepcopy_of_a_wrapped_module_names_the_alternatives() -> None:
+    import copy
+
+    model = GTPWrap(_mlp(), {"min_shard_numel": 0})
+    with pytest.raises(WrapError, match="deep-copy the module before GTPWrap"):
+        copy.deepcopy(model)
+
+
 class _RankOrder(nn.Module):
     """Uses its two same-shape weights in a rank-dependent order."""
 
