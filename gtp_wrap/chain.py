@@ -28,12 +28,11 @@ class PassKind(enum.Enum):
 
 @dataclasses.dataclass
 class Gather:
-    """A gather issued into a buffer; `position` is its place in the chain (None off-chain)."""
+    """A gather issued into a buffer."""
 
     layout: ShardLayout
     buffer: GatherBuffer
     pending: Pending
-    position: int | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -710,7 +710,7 @@ class GTPEngine:
             if state.chain is not None and not state.diverged:
                 state.diverged = True
                 self._drain(state)
-            (gather,) = self._issue(state, [lay], None)
+            (gather,) = self._issue(state, [lay])
             blocking = True
         state.recorded.append(lay.index)
         return self._complete(gather, state, blocking, packed)
@@ -723,11 +723,10 @@ class GTPEngine:
         """Issue the gathers of these consecutive chain positions as one collective."""
         order = state.chain.order  # type: ignore[union-attr]
         lays = [self.layouts[order[p]] for p in positions]
-        state.inflight.extend(self._issue(state, lays, positions.start))
+        state.inflight.extend(self._issue(state, lays))
 
-    def _issue(self, state: PassState, lays: list[ShardLayout], first: int | None) -> list[Gather]:
-        """Gather `lays` in one collective, for chain positions `first`, `first + 1`, ...
-        (None: off the chain)."""
+    def _issue(self, state: PassState, lays: list[ShardLayout]) -> list[Gather]:
+        """Gather `lays` in one collective."""
         bufs, sends = [], []
         for lay in lays:
             send = self._sends[lay.index]  # FP8 slots are dequantized when consumed
@@ -741,10 +740,7 @@ class GTPEngine:
         pendings = self.comm.all_gather([b.tensor for b in bufs], sends, what)
         self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.gather_bytes())
         self.stats.gathers += len(lays)
-        return [
-            Gather(lay, buf, pending, None if first is None else first + i)
-            for i, (lay, buf, pending) in enumerate(zip(lays, bufs, pendings))
-        ]
+        return [Gather(lay, buf, pending) for lay, buf, pending in zip(lays, bufs, pendings)]
 
     def _complete(
         self, gather: Gather, state: PassState, blocking: bool, packed: bool = False
