@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if not under_torchrun() and not args.smoke:
         sys.exit("run under torchrun (see the module docstring), or pass --smoke")
-    launch(_bench_rank, 2, args)  # torchrun's ranks, or 2 spawned CPU ranks for --smoke
+    launch(_bench_rank, 2, args, cpu=args.smoke)  # torchrun's ranks, or 2 CPU ranks for --smoke
 
 
 def _bench_rank(device: torch.device, args: argparse.Namespace) -> None:

@@ -102,7 +102,7 @@ def _to_local(
         if value.shape == lay.shape:
             value = lay.local_rows_of(value)
         param = module._parameters[name]
-        if _same_elements(value, param):
+        if param is not None and _same_elements(value, param):
             # The in-place round trip (state_dict, dcp.load, load_state_dict) hands back the
             # shard itself, possibly with other strides along size-1 dims: copy_ would refuse
             # that overlap, so hand over the parameter, which copies onto itself as a no-op.

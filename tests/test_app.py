@@ -16,7 +16,9 @@ from gtp_wrap.app.model import GPT, GPTConfig
 from gtp_wrap.app.train import CONFIG_DIR
 from gtp_wrap.policy import resolve_policy
 
-FAST = ["trainer.batch=4", "trainer.seq=32", "trainer.eval_every=0", "trainer.eval_batches=1"]
+# CPU ranks on any machine: two of them, whatever GPUs it has.
+FAST = ["device=cpu", "trainer.batch=4", "trainer.seq=32", "trainer.eval_every=0",
+        "trainer.eval_batches=1"]  # fmt: skip
 
 
 def _train(*overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -78,6 +80,7 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("nproc=4096", "nproc=4096 but this machine has"),
         ("data.path=/no/such/file.txt", "data.path='/no/such/file.txt' does not exist"),
         ("mesh=[3,1]", "mesh=[3, 1] does not multiply to nproc=2"),
+        ("device=tpu", "device='tpu': use auto"),
     ],
 )
 def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:

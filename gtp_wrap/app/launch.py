@@ -23,11 +23,16 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def check_local_devices(nproc: int) -> None:
-    """Refuse more local ranks than the machine has GPUs (or CPU cores without GPUs)."""
+def _on_gpus(cpu: bool) -> bool:
+    """Whether ranks run one per GPU (NCCL), rather than as CPU processes (gloo)."""
+    return torch.cuda.is_available() and not cpu
+
+
+def check_local_devices(nproc: int, cpu: bool = False) -> None:
+    """Refuse more local ranks than the machine has GPUs (or CPU cores, for CPU ranks)."""
     if nproc < 1:
         raise LaunchError(f"nproc={nproc}: start at least one rank")
-    if torch.cuda.is_available():
+    if _on_gpus(cpu):
         if nproc > torch.cuda.device_count():
             raise LaunchError(
                 f"nproc={nproc} but this machine has {torch.cuda.device_count()} GPU(s); "
@@ -46,18 +51,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_entry(local_rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
+def _rank_entry(
+    local_rank: int, fn: Callable, world: int, port: int, args: tuple, cpu: bool
+) -> None:
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
-    run_rank(fn, args)
+    run_rank(fn, args, cpu)
 
 
-def run_rank(fn: Callable, args: tuple) -> Any:
+def run_rank(fn: Callable, args: tuple, cpu: bool = False) -> Any:
     """Join the process group from torchrun-style environment variables and run `fn`."""
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
+    if _on_gpus(cpu):
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         dist.init_process_group("nccl", device_id=device)
@@ -76,12 +83,13 @@ def run_rank(fn: Callable, args: tuple) -> Any:
         dist.destroy_process_group()
 
 
-def launch(fn: Callable, nproc: int, *args: Any) -> None:
-    """Run `fn(device, *args)` on every rank: in this process under torchrun, else spawned."""
+def launch(fn: Callable, nproc: int, *args: Any, cpu: bool = False) -> None:
+    """Run `fn(device, *args)` on every rank: in this process under torchrun, else spawned.
+    Ranks take one GPU each where there are GPUs, unless `cpu`."""
     if under_torchrun():
-        run_rank(fn, args)
+        run_rank(fn, args, cpu)
         return
-    check_local_devices(nproc)
+    check_local_devices(nproc, cpu)
     mp.start_processes(
-        _rank_entry, args=(fn, nproc, _free_port(), args), nprocs=nproc, start_method="spawn"
+        _rank_entry, args=(fn, nproc, _free_port(), args, cpu), nprocs=nproc, start_method="spawn"
     )

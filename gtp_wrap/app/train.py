@@ -40,8 +40,10 @@ def _validate(cfg: dict) -> None:
     resolve_policy(cfg["policy"])
     GPTConfig(**cfg["model"])
     load_tokens(DataConfig(**cfg["data"]))
+    if cfg["device"] not in ("auto", "cpu"):
+        raise LaunchError(f"device={cfg['device']!r}: use auto (GPUs where present) or cpu")
     if not under_torchrun():
-        check_local_devices(cfg["nproc"])
+        check_local_devices(cfg["nproc"], cpu=cfg["device"] == "cpu")
         world = cfg["nproc"]
         if cfg["mesh"] is not None and math.prod(cfg["mesh"]) != world:
             raise LaunchError(f"mesh={cfg['mesh']} does not multiply to nproc={world}")
@@ -174,7 +176,7 @@ def main(cfg: DictConfig) -> None:
         print(f"gtp-train: {e}", file=sys.stderr)
         sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
-    launch(train, plain["nproc"], plain, run_dir)
+    launch(train, plain["nproc"], plain, run_dir, cpu=plain["device"] == "cpu")
 
 
 if __name__ == "__main__":
