@@ -14,7 +14,7 @@ import itertools
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -63,9 +63,15 @@ register_optimizer_step_post_hook(_after_optimizer_step)
 _replaced: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
 
 
+# Optimizers checked, with how many parameters they held then (add_param_group adds more).
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _replaced:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if not _replaced or _checked.get(optimizer) == count:
         return
+    _checked[optimizer] = count
     for group in optimizer.param_groups:
         for p in group["params"]:
             if _replaced.get(id(p)) is p:
@@ -509,6 +515,8 @@ class GTPEngine:
         self._close_abandoned_backward()  # a forward inside backward nests in its pass
         grad = torch.is_grad_enabled()
         kind = PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD
+        if grad and self._scope is None and self.mesh.world_size > 1:
+            self.replicated.hook_unfrozen()
         state = self._begin_pass(kind, opener)
         if grad:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -553,10 +561,15 @@ class GTPEngine:
                 self._eager.pool.release_free()
                 self._eager.staging.clear()
         landed, self._landed = self._landed, {}
+        if model_pass:  # a graphed region's warm-up and capture leave no trace
+            self._run_grad_hooks(landed)
+
+    def _run_grad_hooks(self, indices: Iterable[int]) -> None:
+        """Run the post-accumulate-grad hooks of these sharded parameters (layout indices)."""
         # Still inside autograd's graph task, where a sharded parameter would read as its
         # gathered weight: the hooks see the shards, as outside backward.
         with torch._C.DisableTorchFunctionSubclass():
-            for index in landed:
+            for index in indices:
                 for hook in list(self._grad_hooks.get(index, {}).values()):
                     hook(self.params[index])
 
@@ -917,11 +930,16 @@ def _written_param(func: Callable, args: tuple, kwargs: dict) -> GTPParameter | 
         max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
         weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
         return weight if max_norm is not None and type(weight) is GTPParameter else None
-    if not args or type(args[0]) is not GTPParameter:
+    if not args:
+        return None
+    first = args[0]
+    if type(first) in (list, tuple):  # the in-place _foreach_ ops write into a list
+        first = next((t for t in first if type(t) is GTPParameter), None)
+    if type(first) is not GTPParameter:
         return None
     name = getattr(func, "__name__", "")
     in_place = name.endswith("_") and not name.endswith("__") and name != "requires_grad_"
-    return args[0] if in_place or name in _IN_PLACE_DUNDERS else None
+    return first if in_place or name in _IN_PLACE_DUNDERS else None
 
 
 def _replace(plan: ParameterPlan, param: nn.Parameter) -> None:

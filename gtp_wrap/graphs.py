@@ -508,6 +508,9 @@ class _RegionReplay(torch.autograd.Function):
                 static.copy_(g)
         region.bwd.replay()
         region.bwd_replay.after_replay()
+        # The replay wrote the region's gradients: their hooks run when the model's backward
+        # ends, with the others'.
+        engine._landed.update({p._gtp_layout.index: None for p in region.sharded if p._gtp_layout})
         return (None, *(None if g is None else g.clone() for g in region.grad_of_input))
 
 

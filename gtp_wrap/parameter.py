@@ -90,9 +90,16 @@ class GTPParameter(nn.Parameter):
         )
 
     def register_post_accumulate_grad_hook(self, hook):  # type: ignore[override]
-        if self._gtp_layout is None:
-            return super().register_post_accumulate_grad_hook(hook)
-        return self._gtp_engine.add_grad_hook(self, hook)
+        if self._gtp_layout is not None:
+            return self._gtp_engine.add_grad_hook(self, hook)
+
+        def on_the_parameter(p: torch.Tensor) -> None:
+            # Autograd runs it inside backward, where this parameter would read as its
+            # compute-dtype copy: an optimizer step in the hook must reach the parameter.
+            with torch._C.DisableTorchFunctionSubclass():
+                hook(p)
+
+        return super().register_post_accumulate_grad_hook(on_the_parameter)
 
 
 def is_use(func) -> bool:

@@ -26,13 +26,18 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.sizes = [p.numel() for p in params]
-        total = sum(self.sizes)
-        p0 = params[0]
-        self.flat = torch.zeros(total + len(params), dtype=p0.dtype, device=p0.device)
-        self.flags = self.flat[total:]
+        self.flat = self.flags = torch.empty(0)
+        if params[0].requires_grad:  # frozen ones get their buffer if they are ever unfrozen
+            self.allocate()
         self.ready: set[int] = set()
         self.locally_missing = False  # reading the flags costs a host sync: only when needed
         self.pending: Pending | None = None
+
+    def allocate(self) -> None:
+        """A zeroed buffer for the grads, with one flag per parameter after them."""
+        total, p0 = sum(self.sizes), self.params[0]
+        self.flat = torch.zeros(total + len(self.params), dtype=p0.dtype, device=p0.device)
+        self.flags = self.flat[total:]
 
 
 class ReplicatedGrads:
@@ -65,6 +70,9 @@ class ReplicatedGrads:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
 
     def register(self, engine: GTPEngine) -> None:
+        """Launch each bucket's all-reduce once all its grads are in; parameters frozen now
+        are hooked by `hook_unfrozen` once they require grad."""
+
         def on_grad(p: torch.Tensor) -> None:
             if not engine.sync_replicated:
                 return
@@ -76,10 +84,19 @@ class ReplicatedGrads:
             if len(bucket.ready) == len(bucket.params) and bucket.pending is None:
                 self._launch(bucket)
 
-        for b in self.buckets:
-            for p in b.params:
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(on_grad)
+        self._on_grad = on_grad
+        self._unhooked = [p for b in self.buckets for p in b.params]
+        self.hook_unfrozen()
+
+    def hook_unfrozen(self) -> None:
+        """Hook the parameters that require grad and are not hooked yet (called as each
+        forward of the model starts): without a hook, a backward in which nothing else of the
+        engine takes part would never all-reduce them."""
+        if not any(p.requires_grad for p in self._unhooked):
+            return
+        for p in [p for p in self._unhooked if p.requires_grad]:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            self._unhooked.remove(p)
 
     def _warn_user_hook(self, p: torch.Tensor) -> None:
         self._warned.add(id(p))
@@ -93,6 +110,8 @@ class ReplicatedGrads:
         )
 
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket.flat.numel() == 0:
+            bucket.allocate()
         offset = 0
         bucket.locally_missing = any(p.grad is None for p in bucket.params)
         # Flags are filled by kernels, not assigned from Python numbers: an assignment is a

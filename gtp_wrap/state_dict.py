@@ -44,13 +44,16 @@ def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
     The hooks sit on each module that owns a sharded weight, not only on the root, so the state
     dict of any submodule (`model.backbone.state_dict()`) converts its weights too.
     """
-    owned: dict[int, tuple[nn.Module, list[tuple[str, ShardLayout]]]] = {}
+    # A module registered under two names (a block reused in a ModuleList) is reached through
+    # both FQNs: one entry per parameter name of each module.
+    owned: dict[int, tuple[nn.Module, dict[str, ShardLayout]]] = {}
     for lay, fqns in zip(engine.layouts, engine.fqns):
         for fqn in fqns:
             path, _, name = fqn.rpartition(".")
             module = root.get_submodule(path)
-            owned.setdefault(id(module), (module, []))[1].append((name, lay))
-    for module, weights in owned.values():
+            owned.setdefault(id(module), (module, {}))[1][name] = lay
+    for module, by_name in owned.values():
+        weights = list(by_name.items())
         module._register_state_dict_hook(functools.partial(_to_dtensors, engine, weights))
         module._register_load_state_dict_pre_hook(
             functools.partial(_to_local, engine, module, weights)
@@ -83,10 +86,11 @@ def _to_local(
     meta: dict,
     *_: Any,
 ) -> None:
-    if meta.get("assign_to_params_buffers", False):
+    loaded = [name for name, _ in weights if prefix + name in sd]
+    if loaded and meta.get("assign_to_params_buffers", False):
         raise WrapError(
             f"load_state_dict(assign=True) into a wrapped module would replace its sharded "
-            f"parameters ('{prefix}{weights[0][0]}', ...) with plain tensors; load without "
+            f"parameters ('{prefix}{loaded[0]}', ...) with plain tensors; load without "
             "assign (the values are copied into the shards), or load into the module before "
             "GTPWrap"
         )

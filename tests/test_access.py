@@ -85,6 +85,21 @@ def _patterns(rank: int, world: int) -> dict:
     model(x[rows]).sum().backward()
     ref(x).sum().backward()  # the mean over ranks of each rank's sum
     out["unfrozen_diff"] = (model.proj.bias.grad - ref.proj.bias.grad / world).abs().max().item()
+    # ... also when it is the only parameter training (nothing sharded takes part in backward),
+    # and its bucket holds no buffer while it is frozen.
+    ref = _model()
+    frozen = _model()
+    frozen.proj.bias.requires_grad_(False)
+    model = GTPWrap(frozen, {"min_shard_numel": 0})
+    buckets = engine_of(model).replicated.buckets
+    out["frozen_bucket_numel"] = sum(b.flat.numel() for b in buckets)
+    model.requires_grad_(False)
+    model.proj.bias.requires_grad_(True)
+    ref.requires_grad_(False)
+    ref.proj.bias.requires_grad_(True)
+    model(x[rows]).sum().backward()
+    ref(x).sum().backward()
+    out["only_bias_diff"] = (model.proj.bias.grad - ref.proj.bias.grad / world).abs().max().item()
     dist.barrier()
     return out
 
@@ -99,6 +114,7 @@ def test_access_patterns_and_recovery() -> None:
         assert r["raised"] and r["open_passes"] == 0
         assert r["after_error"] < 1e-6
         assert r["frozen_grad"] is None and r["unfrozen_diff"] < 1e-5
+        assert r["frozen_bucket_numel"] == 0 and r["only_bias_diff"] < 1e-5
 
 
 def _forward_inside_backward(rank: int, world: int, group_numel: int) -> float:

@@ -92,24 +92,28 @@ def test_optimizer_built_before_wrapping_is_refused() -> None:
 
 
 class _ClampsItsWeight(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, foreach: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
+        self.foreach = foreach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            self.lin.weight.clamp_(-0.1, 0.1)
+            if self.foreach:
+                torch._foreach_mul_([self.lin.weight], 0.5)
+            else:
+                self.lin.weight.clamp_(-0.1, 0.1)
         return self.lin(x)
 
 
-@pytest.mark.parametrize("how", ["max_norm", "clamp_"])
+@pytest.mark.parametrize("how", ["max_norm", "clamp_", "foreach"])
 def test_in_place_write_to_a_weight_during_a_pass_is_refused(how: str) -> None:
     """The write would land in the gathered copy and be lost."""
     torch.manual_seed(0)
     if how == "max_norm":
         model, x = nn.Sequential(nn.Embedding(16, 8, max_norm=1.0)), torch.arange(4)
     else:
-        model, x = _ClampsItsWeight(), torch.randn(2, 8)
+        model, x = _ClampsItsWeight(foreach=how == "foreach"), torch.randn(2, 8)
     GTPWrap(model, {"min_shard_numel": 0})
     with pytest.raises(WrapError, match="writes in place to '.*weight'.*replicate"):
         model(x)

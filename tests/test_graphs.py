@@ -232,3 +232,33 @@ def test_partial_capture_equals_eager() -> None:
             assert regions["losses"] == eager["losses"], model
             for k, v in eager["state"].items():
                 assert torch.equal(regions["state"][k], v), (model, k)
+
+
+def _region_hooks(rank: int, world: int) -> dict:
+    """Post-accumulate-grad hooks on a graphed region's weight and on an eager one."""
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = GTPWrap(GPT(CFG).to(device), POLICY)
+    dtype = torch.bfloat16
+    x = torch.zeros(2, 16, CFG.d, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = (c[:16].to(dtype) for c in (model.cos, model.sin))
+    calls: dict[str, list[bool]] = {"region": [], "eager": []}
+    weights = {"region": model.blocks[-1].mlp.up.weight, "eager": model.blocks[0].mlp.up.weight}
+    for name, w in weights.items():
+        w.register_post_accumulate_grad_hook(
+            lambda p, name=name: calls[name].append(p.grad is not None)
+        )
+    gtp_wrap.graph_region(model, model.blocks[-1], (x, cos, sin))
+    for i in range(3):
+        idx, y = _batch(rank, i, device)
+        F.cross_entropy(model(idx).float().flatten(0, 1), y.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+    return calls
+
+
+@gpu
+def test_region_weight_hooks_run_once_per_step() -> None:
+    """Once per real backward, with the gradient in place: not in the region's warm-up and
+    capture, and not skipped for the weights a replay gives gradients."""
+    for calls in run_ranks(_region_hooks, 2, timeout=120, backend="nccl"):
+        assert calls == {"region": [True] * 3, "eager": [True] * 3}, calls

@@ -75,3 +75,22 @@ def test_hook_on_a_replicated_parameter_warns_it_sees_the_local_grad() -> None:
     """Autograd runs hooks of replicated parameters before GTP's all-reduce, as DDP's."""
     for messages in run_ranks(_replicated_hook, 2):
         assert any("'0.bias'" in m and "before the all-reduce" in m for m in messages), messages
+
+
+def test_hook_on_a_replicated_bf16_parameter_steps_the_parameter() -> None:
+    """With param_dtype, a replicated parameter is used through its compute-dtype copy; an
+    optimizer step in its hook runs inside backward and must still reach the parameter."""
+    model = GTPWrap(_model(), {"min_shard_numel": 0, "param_dtype": "bfloat16"})
+    bias = model[0].bias
+    before = bias.detach().clone()
+    opt = torch.optim.SGD([bias], lr=0.5, foreach=True)
+    seen: list[torch.Tensor] = []
+
+    def step(p: torch.Tensor) -> None:
+        seen.append(p.grad.detach().clone())
+        opt.step()
+
+    bias.register_post_accumulate_grad_hook(step)
+    model(torch.ones(2, 8)).float().sum().backward()
+    assert len(seen) == 1
+    assert torch.equal(bias.detach(), before - 0.5 * seen[0])

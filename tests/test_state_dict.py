@@ -26,17 +26,25 @@ def _roundtrip(rank: int, world: int) -> dict:
     torch.manual_seed(1)
     other = GTPWrap(TinyGPT(vocab=47), {"min_shard_numel": 0})
     gtp_wrap.load_full_state_dict(other, full)
+    # A block registered twice (weight sharing across layers) converts once per name.
+    shared = torch.nn.Linear(8, 8)
+    twice = GTPWrap(torch.nn.ModuleList([shared, shared]), {"min_shard_numel": 0})
+    twice_types = {k: type(v).__name__ for k, v in twice.state_dict().items()}
     # A submodule's state dict converts its weights too, and loads back into the submodule.
     block = model.blocks[0].state_dict()
     block_full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in block.items()}
     torch.manual_seed(2)
     third = GTPWrap(TinyGPT(vocab=47), {"min_shard_numel": 0})
     third.blocks[0].load_state_dict(block_full)
+    block_reloaded = gtp_wrap.full_state_dict(third)
     try:
         third.load_state_dict(full, assign=True)
         assign = "loaded"
     except gtp_wrap.WrapError as e:
         assign = str(e)
+    # assign=True of only replicated entries touches no shard: allowed.
+    norm = {"blocks.0.norm1.weight": torch.full((32,), 2.0)}
+    third.load_state_dict(norm, strict=False, assign=True)
     return {
         "shapes": shapes,
         "local_rows": local_rows,
@@ -44,8 +52,10 @@ def _roundtrip(rank: int, world: int) -> dict:
         "expected": expected,
         "reloaded": other(x).detach(),
         "block_types": {k: type(v).__name__ for k, v in block.items()},
-        "block_reloaded": gtp_wrap.full_state_dict(third),
+        "block_reloaded": block_reloaded,
         "assign": assign,
+        "assigned_norm": third.blocks[0].norm1.weight.detach().clone(),
+        "twice_types": twice_types,
     }
 
 
@@ -68,6 +78,9 @@ def test_state_dict_dtensors_and_full_export() -> None:
             if k.startswith("blocks.0."):
                 assert torch.equal(r["block_reloaded"][k], v), k
         assert "assign=True" in r["assign"] and "without assign" in r["assign"], r["assign"]
+        assert torch.equal(r["assigned_norm"], torch.full((32,), 2.0))
+        assert r["twice_types"] == {"0.weight": "DTensor", "0.bias": "Tensor",
+                                    "1.weight": "DTensor", "1.bias": "Tensor"}  # fmt: skip
     torch.manual_seed(0)
     torch.testing.assert_close(results[0]["full"], TinyGPT(vocab=47).state_dict())
 
