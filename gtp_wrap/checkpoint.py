@@ -185,6 +185,21 @@ def save(
     tmp, final = root / f".tmp-{name}", root / name
     tmp.mkdir(exist_ok=True)
     try:
+        # Every rank makes the metadata (rank 0 writes it), so bad `extra` fails on all of
+        # them at once, through the agreement below, instead of on rank 0 after it.
+        meta = {
+            "format": _FORMAT,
+            "world": world,
+            "param_groups": _param_groups(optimizer),
+            "extra": extra or {},
+        }
+        try:
+            meta_text = json.dumps(meta)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"extra must be JSON-serializable (numbers, strings, lists, dicts; use .item() "
+                f"on tensors): {e}"
+            ) from e
         tensors = _flat_tensors(model, optimizer, for_load=False)
         mine: dict[str, torch.Tensor] = {}
         index: dict[str, dict] = {}
@@ -213,13 +228,7 @@ def save(
             f"and the previous checkpoints in {root} are intact"
         ) from cause
     if rank == 0:
-        meta = {
-            "format": _FORMAT,
-            "world": world,
-            "param_groups": _param_groups(optimizer),
-            "extra": extra or {},
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / "meta.json").write_text(meta_text)
         tmp.rename(final)
     engine.comm.exchange("checkpoint-published", [1])
     return final

@@ -167,7 +167,9 @@ def _failing_save(rank: int, world: int, root: str, how: str) -> dict:
     if rank == 1 and how == "dies":
         return {"error": error}  # rank 1 never reaches the save
     try:
-        if rank == 1:
+        if how == "bad_extra":  # a tensor in extra: not JSON, on every rank
+            ckpt.save(root, model, opt, extra={"step": torch.tensor(2)})
+        elif rank == 1:
             with mock.patch.object(ckpt, "save_file", side_effect=OSError("disk full")):
                 ckpt.save(root, model, opt, extra={"step": 2})
         else:
@@ -184,10 +186,10 @@ def _failing_save(rank: int, world: int, root: str, how: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("how", ["raises", "dies"])
+@pytest.mark.parametrize("how", ["raises", "dies", "bad_extra"])
 def test_failed_save_leaves_previous_checkpoint(tmp_path, how: str) -> None:
     results = run_ranks(_failing_save, 2, str(tmp_path), how, timeout=120)
-    survivors = results if how == "raises" else results[:1]
+    survivors = results[:1] if how == "dies" else results
     for r in survivors:
         assert "the previous checkpoints" in r["error"] and "intact" in r["error"], r["error"]
         assert r["latest"] == r["first"]
@@ -195,6 +197,8 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, how: str) -> None:
         assert r["same"]
     if how == "raises":
         assert "rank(s) [1]" in results[0]["error"]
+    if how == "bad_extra":
+        assert all("JSON-serializable" in r["error"] for r in results)
 
 
 def test_checkpoint_of_another_model_lists_keys(saved) -> None:
