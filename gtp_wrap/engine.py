@@ -888,11 +888,11 @@ class GTPEngine:
 
     @contextlib.contextmanager
     def no_sync(self):
-        self.sync_replicated = False
+        outer, self.sync_replicated = self.sync_replicated, False
         try:
             yield
         finally:
-            self.sync_replicated = True
+            self.sync_replicated = outer  # nested: still off until the outermost exits
 
     def gather_bytes(self) -> int:
         """Memory held by the gather buffers of the model and of its graphed regions."""

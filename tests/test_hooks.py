@@ -1,5 +1,6 @@
-"""Gradient hooks on sharded parameters: post-accumulate-grad hooks see the reduced gradient;
-tensor hooks, which would see no gradient at all, are refused with the alternative named."""
+"""Gradient hooks and syncing: post-accumulate-grad hooks on shards see the reduced gradient;
+tensor hooks, which would see no gradient at all, are refused with the alternative named; a
+nested no_sync restores what it found."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 from conftest import run_ranks
 from torch import nn
 
+import gtp_wrap
 from gtp_wrap import GTPWrap, WrapError, full_state_dict
+from gtp_wrap.api import engine_of
 
 
 def _model(bias: bool = True) -> nn.Module:
@@ -94,3 +97,13 @@ def test_hook_on_a_replicated_bf16_parameter_steps_the_parameter() -> None:
     model(torch.ones(2, 8)).float().sum().backward()
     assert len(seen) == 1
     assert torch.equal(bias.detach(), before - 0.5 * seen[0])
+
+
+def test_nested_no_sync_keeps_syncing_off_until_the_outermost_exits() -> None:
+    model = GTPWrap(_model(), {"min_shard_numel": 0})
+    engine = engine_of(model)
+    with gtp_wrap.no_sync(model):
+        with gtp_wrap.no_sync(model):
+            pass
+        assert engine.sync_replicated is False
+    assert engine.sync_replicated is True
