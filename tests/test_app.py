@@ -81,6 +81,11 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("data.path=/no/such/file.txt", "data.path='/no/such/file.txt' does not exist"),
         ("mesh=[3,1]", "mesh=[3, 1] does not multiply to nproc=2"),
         ("device=tpu", "device='tpu': use auto"),
+        ("mesh=[2]", "give two sizes, [dp, gtp]"),
+        ("policy=copy_engine", "on CPU ranks use collectives=process_group"),
+        ("model.vocab=100", "but model.vocab is 100"),
+        ("trainer.accumulation=0", "trainer.accumulation=0: must be a whole number >= 1"),
+        ("data.val_fraction=1.5", "data.val_fraction=1.5: must be between 0 and 1"),
     ],
 )
 def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:

@@ -30,27 +30,42 @@ from gtp_wrap.policy import resolve_policy
 
 from .. import checkpoint
 from . import report
-from .data import DataConfig, DataError, TokenStream, load_tokens
+from .data import DataConfig, DataError, TokenStream
 from .launch import LaunchError, check_local_devices, launch, under_torchrun
 from .model import GPT, GPTConfig
 
 
 def _validate(cfg: dict) -> None:
     """Everything a user can get wrong, checked before any rank starts."""
-    resolve_policy(cfg["policy"])
+    policy = resolve_policy(cfg["policy"])
     GPTConfig(**cfg["model"])
-    load_tokens(DataConfig(**cfg["data"]))
     if cfg["device"] not in ("auto", "cpu"):
         raise LaunchError(f"device={cfg['device']!r}: use auto (GPUs where present) or cpu")
+    on_cpu = cfg["device"] == "cpu" or not torch.cuda.is_available()
+    if policy.collectives == "copy_engine" and on_cpu:
+        raise LaunchError(
+            "policy collectives=copy_engine moves data between GPUs; on CPU ranks use "
+            "collectives=process_group"
+        )
+    t = cfg["trainer"]
+    for key in ("steps", "batch", "seq", "accumulation", "eval_batches"):
+        if not isinstance(t[key], int) or t[key] < 1:
+            raise LaunchError(f"trainer.{key}={t[key]!r}: must be a whole number >= 1")
+    if t["seq"] > cfg["model"]["max_seq"]:
+        raise LaunchError(f"trainer.seq={t['seq']} exceeds model.max_seq={cfg['model']['max_seq']}")
+    if not 0 < cfg["data"]["val_fraction"] < 1:
+        raise LaunchError(
+            f"data.val_fraction={cfg['data']['val_fraction']}: must be between 0 and 1 (exclusive)"
+        )
+    # The splits and the token ids against the vocab, as every rank will check them.
+    TokenStream(DataConfig(**cfg["data"]), t["seq"], cfg["model"]["vocab"], cfg["seed"])
+    if cfg["mesh"] is not None and len(cfg["mesh"]) != 2:
+        raise LaunchError(f"mesh={cfg['mesh']}: give two sizes, [dp, gtp]")
     if not under_torchrun():
         check_local_devices(cfg["nproc"], cpu=cfg["device"] == "cpu")
         world = cfg["nproc"]
         if cfg["mesh"] is not None and math.prod(cfg["mesh"]) != world:
             raise LaunchError(f"mesh={cfg['mesh']} does not multiply to nproc={world}")
-    if cfg["trainer"]["seq"] > cfg["model"]["max_seq"]:
-        raise LaunchError(
-            f"trainer.seq={cfg['trainer']['seq']} exceeds model.max_seq={cfg['model']['max_seq']}"
-        )
 
 
 def _lr_lambda(t: dict):
