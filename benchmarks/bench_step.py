@@ -25,9 +25,11 @@ Results go to JSON and a PNG chart.
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -127,11 +129,13 @@ def method_step(method: str, model: nn.Module, optim: torch.optim.Optimizer,
                 autocast: torch.dtype | None, idx: torch.Tensor,
                 graph_warmup: int) -> Callable[[], None]:  # fmt: skip
     """One whole step of `method` on `idx`, gradients cleared after it; gtp_graph's is captured
-    by `graph_step` after `graph_warmup` eager steps and replayed from then on, floor_graph's
-    here, after as many."""
+    by `graph_step` in the last of `graph_warmup` warm-up steps and replayed from then on,
+    floor_graph's here, after as many warm-up steps."""
     train = train_step(model, optim, autocast)
-    if method == "gtp_graph":
-        train = gtp_wrap.graph_step(model, train, warmup=graph_warmup)
+    if method == "gtp_graph":  # captured in the last warm-up step: every timed step replays
+        if graph_warmup < 3:
+            raise ValueError("gtp_graph needs --warmup >= 3 (two eager steps, then the capture)")
+        train = gtp_wrap.graph_step(model, train, warmup=graph_warmup - 1)
     if method == "floor_graph":
         train = _captured(train, idx, graph_warmup, lambda: clear_grads(method, model, optim))
 
@@ -201,7 +205,9 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
             gtp_wrap.reset_stats(model)  # count the timed (steady-state) steps only
     median = statistics.median(times)
     tokens = batch * seq
-    flops = 6 * cfg.n_params * tokens + 12 * cfg.layers * cfg.d * seq * tokens
+    # An untied input embedding is a lookup, not a GEMM: its parameters do no FLOPs.
+    gemm_params = cfg.n_params - (0 if cfg.tie_embeddings else cfg.vocab * cfg.d)
+    flops = 6 * gemm_params * tokens + 12 * cfg.layers * cfg.d * seq * tokens
     out = {
         "method": method,
         "step_ms": 1e3 * median,
@@ -313,10 +319,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _field(item: str) -> tuple[str, object]:
+    """FIELD=VALUE, the value a Python literal (30.5, -1, True, 'x') or else a string."""
     key, _, value = item.partition("=")
     if value.lower() in ("true", "false"):
         return key, value.lower() == "true"
-    return key, int(value) if value.isdigit() else value
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -334,13 +344,20 @@ def _bench_rank(device: torch.device, args: argparse.Namespace) -> None:
 
 def report(rows: list[dict], args: argparse.Namespace, device: torch.device) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
+    launcher = (
+        f"torchrun --nproc_per_node {os.environ['LOCAL_WORLD_SIZE']} "
+        if "LOCAL_WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
+        else ""
+    )
     meta = {
-        "command": " ".join(sys.argv),
+        "command": launcher + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "world": dist.get_world_size(),
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
-        else platform.processor(),
+        else platform.processor() or platform.machine(),
+        "gpus_on_host": torch.cuda.device_count(),
+        "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
         "python": platform.python_version(),

@@ -85,3 +85,11 @@ def test_profile_summary_splits_kernel_time_by_kind(tmp_path: Path) -> None:
     assert out["memcpy"] == {
         "count_per_step": 0.5, "ms_per_step": 0.05, "overlapped_with_gemm_share": 0.5,
     }  # fmt: skip
+
+
+def test_policy_overrides_parse_as_literals() -> None:
+    bench = _benchmark_module("bench_step")
+    got = dict(map(bench._field, ["collective_timeout_s=30.5", "prefetch_depth=2",
+                                  "fp8_matmul=true", "collectives=copy_engine"]))  # fmt: skip
+    assert got == {"collective_timeout_s": 30.5, "prefetch_depth": 2, "fp8_matmul": True,
+                   "collectives": "copy_engine"}  # fmt: skip
