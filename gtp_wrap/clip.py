@@ -11,12 +11,19 @@ from .api import engine_of
 _WHAT = "grad-norm all-reduce"
 
 
-def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    module: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
     """Clip the grads of a wrapped module in place; return the total norm before clipping.
 
-    Sharded grads are disjoint across the GTP group and identical across dp, so their part of
-    the norm is reduced over the GTP group only; replicated grads are the same on every rank
-    and enter once.
+    The arguments are `torch.nn.utils.clip_grad_norm_`'s, with the module in place of its
+    parameters. Sharded grads are disjoint across the GTP group and identical across dp, so
+    their part of the norm is reduced over the GTP group only; replicated grads are the same on
+    every rank and enter once.
     """
     engine = engine_of(module)
     with torch._C.DisableTorchFunctionSubclass():
@@ -29,12 +36,14 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         norm_type = float(norm_type)
         zero = torch.zeros((), device=device)
         local = (
-            torch.nn.utils.get_total_norm([_grad(p) for p in sharded], norm_type)
+            torch.nn.utils.get_total_norm([_grad(p) for p in sharded], norm_type, foreach=foreach)
             if sharded
             else zero
         )
         rest = (
-            torch.nn.utils.get_total_norm([_grad(p) for p in replicated], norm_type)
+            torch.nn.utils.get_total_norm(
+                [_grad(p) for p in replicated], norm_type, foreach=foreach
+            )
             if replicated
             else zero
         )
@@ -46,7 +55,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
             powered = local.pow(norm_type)
             engine.comm.wait(engine.comm.all_reduce(powered, "gtp", _WHAT, dist.ReduceOp.SUM))
             total = (powered + rest.pow(norm_type)).pow(1.0 / norm_type)
-        torch.nn.utils.clip_grads_with_norm_(sharded + replicated, max_norm, total)
+        if error_if_nonfinite and not torch.isfinite(total):  # every rank sees the same total
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                "cannot be clipped; set error_if_nonfinite=False to clip anyway"
+            )
+        torch.nn.utils.clip_grads_with_norm_(sharded + replicated, max_norm, total, foreach)
     return total
 
 

@@ -12,6 +12,7 @@ from conftest import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import gtp_wrap
 from gtp_wrap import (
     ChainMismatchError,
     CollectiveError,
@@ -244,3 +245,17 @@ def test_peer_trouble_reads_as_a_timeout_and_local_failures_do_not(message, erro
 
 def test_chain_error_type_is_exported() -> None:
     assert issubclass(ChainMismatchError, RuntimeError)
+
+
+def test_clip_takes_torchs_arguments_and_refuses_nonfinite_norms() -> None:
+    """gtp_wrap.clip_grad_norm_ accepts torch's error_if_nonfinite and foreach."""
+    model, ref = GTPWrap(_mlp(), {"min_shard_numel": 0}), _mlp()
+    x = torch.randn(4, 8)
+    for m in (model, ref):
+        m(x).square().sum().backward()
+    got = gtp_wrap.clip_grad_norm_(model, 0.5, foreach=False)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, foreach=False)
+    torch.testing.assert_close(got, want)
+    model[0].weight.grad[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        gtp_wrap.clip_grad_norm_(model, 0.5, error_if_nonfinite=True)
