@@ -94,9 +94,10 @@ class ReplicatedGrads:
         engine takes part would never all-reduce them."""
         if not any(p.requires_grad for p in self._unhooked):
             return
-        for p in [p for p in self._unhooked if p.requires_grad]:
-            p.register_post_accumulate_grad_hook(self._on_grad)
-            self._unhooked.remove(p)
+        for p in self._unhooked:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._unhooked = [p for p in self._unhooked if not p.requires_grad]
 
     def _warn_user_hook(self, p: torch.Tensor) -> None:
         self._warned.add(id(p))

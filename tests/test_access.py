@@ -187,3 +187,25 @@ def test_chains_per_submodule_call_and_a_bounded_store() -> None:
         assert got["split_new_records"] == 0, got
         assert got["alternating_records"] >= 6, got  # the check each re-record makes
         assert got["store_growth"] == 0, got  # its keys are deleted once read
+
+
+def _unfreeze_one_of_many(rank: int, world: int) -> float:
+    """Of several replicated parameters frozen at wrap time, unfreeze one (not the first)."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    model, ref = build().requires_grad_(False), build().requires_grad_(False)
+    GTPWrap(model, {"min_shard_numel": 0})  # everything frozen when wrapped
+    for m in (model, ref):
+        m[0].bias.requires_grad_(True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    model(x[rows]).square().sum().backward()
+    ref(x).square().sum().backward()
+    return (model[0].bias.grad - ref[0].bias.grad / world).abs().max().item()
+
+
+def test_unfreezing_one_of_several_frozen_replicated_parameters() -> None:
+    assert max(run_ranks(_unfreeze_one_of_many, 2)) < 1e-5
