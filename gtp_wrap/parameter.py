@@ -91,6 +91,10 @@ class GTPParameter(nn.Parameter):
 
     def register_post_accumulate_grad_hook(self, hook):  # type: ignore[override]
         if self._gtp_layout is not None:
+            if not self.requires_grad:  # as torch's own refusal
+                raise RuntimeError(
+                    "cannot register a hook on a tensor that doesn't require gradient"
+                )
             return self._gtp_engine.add_grad_hook(self, hook)
 
         def on_the_parameter(p: torch.Tensor) -> None:

@@ -64,6 +64,9 @@ def test_tensor_hook_on_a_sharded_parameter_is_refused() -> None:
     with pytest.raises(WrapError, match="'0.weight'.*register_post_accumulate_grad_hook"):
         model[0].weight.register_hook(lambda g: g)
     model[0].bias.register_hook(lambda g: g)  # replicated: autograd's own hooks
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="doesn't require gradient"):  # as torch refuses
+        model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
 
 
 def _replicated_hook(rank: int, world: int) -> list[str]:
