@@ -34,7 +34,7 @@ from .comm import Comm, Pending, stable_hash
 from .errors import ChainMismatchError, GraphCaptureError, PolicyError, WrapError
 from .linear import ShardedLinear
 from .mesh import GTPMesh
-from .parameter import GTPParameter, _OpenPasses, make_gtp_parameter
+from .parameter import GTPParameter, _OpenPasses, make_gtp_parameter, written_param
 from .policy import GTPPolicy, ParameterPlan, policy_dtype
 from .replicated import ReplicatedGrads
 from .storage import FlatStorage, ShardLayout
@@ -573,6 +573,13 @@ class GTPEngine:
                 for hook in list(self._grad_hooks.get(index, {}).values()):
                     hook(self.params[index])
 
+    def mark_landed(self, indices: Iterable[int]) -> None:
+        """These sharded weights' `.grad` was written in this backward: their hooks, if any,
+        run when it ends."""
+        for index in indices:
+            if index in self._grad_hooks:
+                self._landed[index] = None
+
     def add_grad_hook(
         self, param: GTPParameter, hook: Callable[[torch.Tensor], None]
     ) -> RemovableHandle:
@@ -625,9 +632,8 @@ class GTPEngine:
         lay = self._linear_layout(func, args, kwargs) if self._own_linear else None
         if lay is not None:
             return self._linear(lay, *args, **kwargs)
-        written = _written_param(func, args, kwargs)
-        if written is not None:
-            p = written
+        p = written_param(func, args, kwargs)
+        if p is not None:
             name = p._gtp_layout.fqn if p._gtp_layout is not None else "a replicated parameter"
             raise WrapError(
                 f"{getattr(func, '__name__', func)} writes in place to '{name}' during a "
@@ -874,7 +880,7 @@ class GTPEngine:
             self.comm.wait(self.comm.all_reduce(g.out, "dp", self._dp_what[lay.index]))
             param = self.params[lay.index]
             local = lay.local_of_slot(g.out)
-            self._landed[lay.index] = None
+            self.mark_landed((lay.index,))
             if g.direct:
                 param.grad = local
                 continue
@@ -900,46 +906,6 @@ class GTPEngine:
 
     def reset_stats(self) -> None:
         self.stats = Stats(peak_gathered_bytes=self.gather_bytes())
-
-
-_IN_PLACE_DUNDERS = frozenset(
-    f"__i{op}__"
-    for op in (
-        "add",
-        "sub",
-        "mul",
-        "truediv",
-        "floordiv",
-        "mod",
-        "pow",
-        "matmul",
-        "and",
-        "or",
-        "xor",
-        "lshift",
-        "rshift",
-    )  # fmt: skip
-) | {"__setitem__"}
-
-
-def _written_param(func: Callable, args: tuple, kwargs: dict) -> GTPParameter | None:
-    """The engine parameter `func` writes into, if any: the first argument of PyTorch's
-    trailing-underscore ops and of the in-place operators, and the weight of an embedding
-    lookup with `max_norm` (which renormalizes the rows it reads)."""
-    if func is F.embedding:
-        max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
-        weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
-        return weight if max_norm is not None and type(weight) is GTPParameter else None
-    if not args:
-        return None
-    first = args[0]
-    if type(first) in (list, tuple):  # the in-place _foreach_ ops write into a list
-        first = next((t for t in first if type(t) is GTPParameter), None)
-    if type(first) is not GTPParameter:
-        return None
-    name = getattr(func, "__name__", "")
-    in_place = name.endswith("_") and not name.endswith("__") and name != "requires_grad_"
-    return first if in_place or name in _IN_PLACE_DUNDERS else None
 
 
 def _replace(plan: ParameterPlan, param: nn.Parameter) -> None:

@@ -510,7 +510,7 @@ class _RegionReplay(torch.autograd.Function):
         region.bwd_replay.after_replay()
         # The replay wrote the region's gradients: their hooks run when the model's backward
         # ends, with the others'.
-        engine._landed.update({p._gtp_layout.index: None for p in region.sharded if p._gtp_layout})
+        engine.mark_landed(p._gtp_layout.index for p in region.sharded if p._gtp_layout)
         return (None, *(None if g is None else g.clone() for g in region.grad_of_input))
 
 

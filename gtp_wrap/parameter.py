@@ -10,10 +10,12 @@ parameter holding the local shard, so `named_parameters()` and any optimizer wor
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
@@ -104,6 +106,37 @@ class GTPParameter(nn.Parameter):
                 hook(p)
 
         return super().register_post_accumulate_grad_hook(on_the_parameter)
+
+
+# The in-place Python operators; PyTorch's in-place ops end in one underscore.
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
+               "xor", "lshift", "rshift")
+) | {"__setitem__"}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _writes_first_argument(func) -> bool:
+    name = getattr(func, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__") and name != "requires_grad_"
+    return in_place or name in _IN_PLACE_DUNDERS
+
+
+def written_param(func, args: tuple, kwargs: dict) -> GTPParameter | None:
+    """The engine parameter that `func`, used during a pass, writes into, if any: the first
+    argument (or the first of a list, for the in-place _foreach_ ops) of an in-place op, and
+    the weight of an embedding lookup with `max_norm` (which renormalizes the rows it reads)."""
+    if func is F.embedding:
+        max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
+        weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
+        return weight if max_norm is not None and type(weight) is GTPParameter else None
+    if not args or not _writes_first_argument(func):
+        return None
+    first = args[0]
+    if type(first) in (list, tuple):
+        first = next((t for t in first if type(t) is GTPParameter), None)
+    return first if type(first) is GTPParameter else None
 
 
 def is_use(func) -> bool:
