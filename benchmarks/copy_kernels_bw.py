@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from gtp_wrap import copy_kernels
+from gtp_wrap.comm import copy_kernels
 
 NUMEL = 64 << 20
 TOKENS = 2048

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gtp_wrap import fp8, fp8_triton
+from gtp_wrap.precision import fp8, fp8_triton
 
 SHAPES = {"attention q/k/v/o": (2048, 2048), "mlp gate/up/down": (5632, 2048),
           "embedding / head": (32000, 2048)}  # fmt: skip

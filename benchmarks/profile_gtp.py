@@ -33,10 +33,12 @@ from bench_step import METHODS, MODELS, _build, batch_of, common_args, method_st
 from trace_events import intervals, is_barrier, is_gemm, is_nccl, load_gpu_events, merge
 
 import gtp_wrap
-from gtp_wrap import fp8, linear
-from gtp_wrap.engine import GTPEngine
-from gtp_wrap.linear import ShardedLinear
-from gtp_wrap.parameter import GTPParameter, is_use
+from gtp_wrap.core.parameter import GTPParameter, is_use
+from gtp_wrap.precision import fp8
+from gtp_wrap.runtime import autograd
+from gtp_wrap.runtime.autograd import ShardedLinear
+from gtp_wrap.runtime.gather import Gatherer
+from gtp_wrap.runtime.reduce import GradReducer
 
 
 class HookTimer:
@@ -64,11 +66,11 @@ class HookTimer:
             return timer._hook(orig_tf, cls, timer._compute(func), types, args, kwargs)
 
         GTPParameter.__torch_function__ = classmethod(torch_function)  # type: ignore[assignment]
-        for name in ("_pack", "_unpack", "reduce_grad"):
-            setattr(GTPEngine, name, self._hooked(getattr(GTPEngine, name)))
+        for cls, name in ((Gatherer, "pack"), (Gatherer, "unpack"), (GradReducer, "reduce_grad")):
+            setattr(cls, name, self._hooked(getattr(cls, name)))
         ShardedLinear.backward = staticmethod(self._hooked(ShardedLinear.backward))
-        linear.F = SimpleNamespace(linear=self._compute(F.linear))  # the linear's own GEMMs
-        linear.weight_grad = self._compute(linear.weight_grad)
+        autograd.F = SimpleNamespace(linear=self._compute(F.linear))  # the linear's own GEMMs
+        autograd.weight_grad = self._compute(autograd.weight_grad)
         fp8.linear_forward = self._compute(fp8.linear_forward)
         torch.Tensor.__matmul__ = self._compute(torch.Tensor.__matmul__)
 

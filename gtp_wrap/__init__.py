@@ -1,9 +1,13 @@
 """gtp_wrap: Generalized Tensor Parallelism for PyTorch, one call to wrap any nn.Module."""
 
+import sys
+
 from .api import GTPWrap, no_sync, reset_stats, stats
 from .clip import clip_grad_norm_
+from .config.policy import GTPPolicy, LayerRule
 from .errors import (
     ChainMismatchError,
+    CheckpointError,
     CollectiveError,
     CollectiveTimeoutError,
     GraphCaptureError,
@@ -12,11 +16,15 @@ from .errors import (
     WrapError,
 )
 from .graphs import graph_region, graph_step, release_graphs
-from .policy import GTPPolicy, LayerRule
-from .state_dict import full_state_dict, load_full_state_dict
+from .io import checkpoint
+from .io.state_dict import full_state_dict, load_full_state_dict
+
+# `gtp_wrap.checkpoint` is the documented name of io/checkpoint.py: importable under it too.
+sys.modules.setdefault(f"{__name__}.checkpoint", checkpoint)
 
 __all__ = [
     "ChainMismatchError",
+    "CheckpointError",
     "CollectiveError",
     "CollectiveTimeoutError",
     "GTPError",
@@ -26,6 +34,7 @@ __all__ = [
     "LayerRule",
     "PolicyError",
     "WrapError",
+    "checkpoint",
     "clip_grad_norm_",
     "full_state_dict",
     "graph_region",

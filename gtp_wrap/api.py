@@ -12,12 +12,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .engine import GTPEngine
+from .config.plan import plan_parameters
+from .config.policy import GTPPolicy, resolve_policy
+from .core.parameter import GTPParameter
 from .errors import WrapError
+from .io.state_dict import install_state_dict_hooks
 from .mesh import resolve_mesh
-from .parameter import GTPParameter
-from .policy import GTPPolicy, plan_parameters, resolve_policy
-from .state_dict import install_state_dict_hooks
+from .runtime.engine import GTPEngine
 
 _ENGINE_ATTR = "_gtp_engine"
 
@@ -68,7 +69,13 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
     return module
 
 
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether `module` is the root of a GTPWrap."""
+    return hasattr(module, _ENGINE_ATTR)
+
+
 def engine_of(module: nn.Module) -> GTPEngine:
+    """The engine of a wrapped module (a WrapError naming the fix if it is not wrapped)."""
     engine = getattr(module, _ENGINE_ATTR, None)
     if engine is None:
         raise WrapError(

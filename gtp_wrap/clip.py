@@ -27,8 +27,9 @@ def clip_grad_norm_(
     """
     engine = engine_of(module)
     with torch._C.DisableTorchFunctionSubclass():
-        sharded_ids = {id(p) for p in engine.params}
-        sharded: list[torch.Tensor] = [p for p in engine.params if p.grad is not None]
+        params = [w.param for w in engine.weights]
+        sharded_ids = {id(p) for p in params}
+        sharded: list[torch.Tensor] = [p for p in params if p.grad is not None]
         replicated: list[torch.Tensor] = [
             p for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None
         ]
@@ -48,12 +49,13 @@ def clip_grad_norm_(
             else zero
         )
         local, rest = local.to(device, torch.float32), rest.to(device, torch.float32)
+        gtp = engine.mesh.gtp  # sharded grads are disjoint over it, identical over dp
         if norm_type == float("inf"):
-            engine.comm.wait(engine.comm.all_reduce(local, "gtp", _WHAT, dist.ReduceOp.MAX))
+            engine.comm.wait(engine.comm.all_reduce(local, gtp, _WHAT, dist.ReduceOp.MAX))
             total = torch.maximum(local, rest)
         else:
             powered = local.pow(norm_type)
-            engine.comm.wait(engine.comm.all_reduce(powered, "gtp", _WHAT, dist.ReduceOp.SUM))
+            engine.comm.wait(engine.comm.all_reduce(powered, gtp, _WHAT, dist.ReduceOp.SUM))
             total = (powered + rest.pow(norm_type)).pow(1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):  # every rank sees the same total
             raise RuntimeError(

@@ -29,3 +29,7 @@ class CollectiveTimeoutError(GTPError, RuntimeError):
 
 class GraphCaptureError(GTPError, RuntimeError):
     """A step or region cannot be captured in a CUDA graph (or replayed with these inputs)."""
+
+
+class CheckpointError(GTPError, RuntimeError):
+    """A checkpoint cannot be written or read: missing, corrupted, or of another model."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import run_ranks
+from harness import run_ranks
 from torch import nn
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.api import engine_of
-from gtp_wrap.parameter import _OpenPasses
+from gtp_wrap.core.parameter import OpenPasses
 
 
 class TransposeHead(nn.Module):
@@ -68,7 +68,7 @@ def _patterns(rank: int, world: int) -> dict:
     rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
     F.cross_entropy(model(x[rows]).flatten(0, 1), x[rows].flatten()).backward()
     opt.step()
-    out["open_passes"] = _OpenPasses.count
+    out["open_passes"] = OpenPasses.count
     F.cross_entropy(ref(x).flatten(0, 1), x.flatten()).backward()
     ref_opt.step()
     full = gtp_wrap.full_state_dict(model)
@@ -164,19 +164,19 @@ class EncoderHead(nn.Module):
 
 def _chains_and_store(rank: int, world: int) -> dict:
     model = GTPWrap(EncoderHead(), {"min_shard_numel": 0, "group_numel": 0})
-    comm, store = engine_of(model).comm, dist.distributed_c10d._get_default_store()
+    agreement, store = engine_of(model).agreement, dist.distributed_c10d._get_default_store()
     x, out = torch.randn(2, 8), {}
     for step in range(6):  # submodules called on their own keep a chain each
         if step == 2:
-            before = comm._exchanges
+            before = agreement.count
         model.head(model.enc(x)).sum().backward()
-    out["split_new_records"] = comm._exchanges - before
+    out["split_new_records"] = agreement.count - before
     for step in range(8):  # a pass that changes every step re-records every step
         if step == 2:
             dist.barrier()  # both ranks done with the same exchanges when counting keys
-            before, keys = comm._exchanges, store.num_keys()
+            before, keys = agreement.count, store.num_keys()
         model(x, skip_head=step % 2 == 1).sum().backward()
-    out["alternating_records"] = comm._exchanges - before
+    out["alternating_records"] = agreement.count - before
     dist.barrier()
     out["store_growth"] = store.num_keys() - keys
     return out

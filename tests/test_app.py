@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from gtp_wrap.app.model import GPT, GPTConfig
 from gtp_wrap.app.train import CONFIG_DIR
-from gtp_wrap.policy import resolve_policy
+from gtp_wrap.config.policy import resolve_policy
 
 # CPU ranks on any machine: two of them, whatever GPUs it has.
 FAST = ["device=cpu", "trainer.batch=4", "trainer.seq=32", "trainer.eval_every=0",

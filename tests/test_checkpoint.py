@@ -8,21 +8,20 @@ import shutil
 from pathlib import Path
 from unittest import mock
 
+import gtp_wrap.checkpoint as ckpt
 import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from conftest import run_ranks
+from harness import run_ranks
 from models import TinyGPT
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import gtp_wrap
-import gtp_wrap.checkpoint as ckpt
-from gtp_wrap import GTPWrap
-from gtp_wrap.checkpoint import CheckpointError
+from gtp_wrap import CheckpointError, GTPWrap
 
 VOCAB = 47  # uneven rows over 2, 3 and 4 ranks
 POLICY = {"min_shard_numel": 0, "collective_timeout_s": 10}

@@ -17,13 +17,14 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_ranks
+from harness import run_ranks
 from test_graphs import CFG as GPT_CFG
 from test_graphs import OPTIMIZERS, POLICY, RoutedGPT, _regions_run
 from test_graphs import _train as _train_graphed
 
-from gtp_wrap import GTPPolicy, GTPWrap, PolicyError, copy_kernels
-from gtp_wrap.copy_engine import CopyEngineCollectives, plan_rounds
+from gtp_wrap import GTPPolicy, GTPWrap, PolicyError
+from gtp_wrap.comm import copy_kernels
+from gtp_wrap.comm.copy_engine import CopyEngineCollectives, plan_rounds
 
 gpu = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 

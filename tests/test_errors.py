@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_ranks
+from harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -24,7 +24,7 @@ from gtp_wrap import (
     WrapError,
 )
 from gtp_wrap.api import engine_of
-from gtp_wrap.comm import Comm, Pending
+from gtp_wrap.comm.comm import Pending, wait_failure
 
 
 def _mlp() -> nn.Module:
@@ -205,7 +205,7 @@ def _failed_collective(rank: int, world: int) -> str:
         [out], [torch.ones(8)], "all-gather of 'probe' (step {step})"
     )
     got = _caught(lambda: engine.comm.wait(pending))
-    engine.comm.exchange("done", [])  # neither rank tears down while its peer still waits
+    engine.agreement.exchange("done", [])  # neither rank tears down while its peer still waits
     return got
 
 
@@ -216,14 +216,6 @@ def test_a_failed_collective_is_not_reported_as_a_timeout() -> None:
     for got in run_ranks(_failed_collective, 2, timeout=120):
         assert got.startswith(f"{CollectiveError.__name__}: all-gather of 'probe' (step 0) failed")
         assert "Inplace update to inference tensor" in got, got
-
-
-class _FailingWork:
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def wait(self, timeout=None) -> None:
-        raise RuntimeError(self.message)
 
 
 @pytest.mark.parametrize(
@@ -237,10 +229,10 @@ class _FailingWork:
     ],
 )
 def test_peer_trouble_reads_as_a_timeout_and_local_failures_do_not(message, error) -> None:
-    comm = Comm.__new__(Comm)  # only what wait() reads
-    comm._gloo, comm.timeout, comm.step = True, datetime.timedelta(seconds=1), lambda: 3
-    with pytest.raises(error, match=r"all-gather of 'w' \(step 3\)"):
-        comm.wait(Pending((_FailingWork(message),), "all-gather of 'w' (step {step})"))
+    what = Pending((), "all-gather of 'w' ({context}step {step})", "forward pass, ").describe(3)
+    got = wait_failure(RuntimeError(message), what, datetime.timedelta(seconds=1))
+    assert type(got) is error
+    assert "all-gather of 'w' (forward pass, step 3)" in str(got) and message in str(got)
 
 
 def test_chain_error_type_is_exported() -> None:

@@ -10,7 +10,7 @@ import traceback
 
 import pytest
 import torch
-from conftest import run_ranks
+from harness import run_ranks
 from test_linear import MLP, TOL, _compare, _inputs, _reference
 from test_parity import CASES, _model, _train
 from test_precision import (
@@ -23,7 +23,8 @@ from test_precision import (
 )
 
 import gtp_wrap
-from gtp_wrap import GTPWrap, fp8, fp8_triton
+from gtp_wrap import GTPWrap
+from gtp_wrap.precision import fp8, fp8_triton
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_ranks
+from harness import run_ranks
 
 import gtp_wrap
 from gtp_wrap import GraphCaptureError, GTPWrap
@@ -76,7 +76,7 @@ def _train(rank: int, graphed: bool, optimizer: str, policy: dict = POLICY) -> d
             opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        pool_bytes.append(engine_of(model).pool.total_bytes)
+        pool_bytes.append(engine_of(model).gatherer.eager.total_bytes)
     with torch.no_grad():  # an eager pass after replays sees the replayed optimizer's weights
         evals = model(_batch(rank, 99, device)[0]).float().cpu()
     full = {k: v.cpu() for k, v in gtp_wrap.full_state_dict(model).items()}

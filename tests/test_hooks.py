@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_ranks
+from harness import run_ranks
 from torch import nn
 
 import gtp_wrap
@@ -108,5 +108,5 @@ def test_nested_no_sync_keeps_syncing_off_until_the_outermost_exits() -> None:
     with gtp_wrap.no_sync(model):
         with gtp_wrap.no_sync(model):
             pass
-        assert engine.sync_replicated is False
-    assert engine.sync_replicated is True
+        assert engine.replicated.sync is False
+    assert engine.replicated.sync is True

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from conftest import run_ranks
+from harness import local_rows, run_ranks
 from torch import nn
 
 import gtp_wrap
@@ -52,10 +52,7 @@ def _compare(model: nn.Module, ref: dict[str, torch.Tensor]) -> dict[str, float]
     (a parameter the loss does not reach must get no gradient, or zeros)."""
     out = {}
     for name, p in model.named_parameters():
-        want = ref[name]
-        layout = getattr(p, "_gtp_layout", None)
-        if layout is not None:
-            want = layout.local_rows_of(want)
+        want = local_rows(p, ref[name])
         got = p.grad.double().cpu() if p.grad is not None else torch.zeros_like(want)
         out[name] = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
     return out

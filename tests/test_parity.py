@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import run_ranks
+from harness import run_ranks
 from models import CalledTwice, ConvNet, OutsideRead, SameShapeReads, TinyGPT
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh

@@ -8,8 +8,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from gtp_wrap import GTPPolicy, GTPWrap, LayerRule
-from gtp_wrap.parameter import GTPParameter
-from gtp_wrap.policy import plan_parameters, resolve_policy
+from gtp_wrap.config.plan import plan_parameters
+from gtp_wrap.config.policy import resolve_policy
+from gtp_wrap.core.parameter import GTPParameter
 
 
 def _sharded(model: nn.Module, policy) -> dict[str, int | None]:

@@ -8,15 +8,16 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_ranks
+from harness import run_ranks
 from models import TinyGPT
 from torch import nn
 
 import gtp_wrap
-from gtp_wrap import GTPWrap, PolicyError, fp8
+from gtp_wrap import GTPWrap, PolicyError
 from gtp_wrap.api import engine_of
 from gtp_wrap.app.data import DataConfig, TokenStream
 from gtp_wrap.app.model import GPT, GPTConfig
+from gtp_wrap.precision import fp8
 
 BF16 = {"min_shard_numel": 0, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
 FP8 = BF16 | {"gather_dtype": "fp8"}
@@ -45,7 +46,7 @@ def _steps(rank: int, world: int, policy: dict, steps: int = 3) -> dict:
         if step == 0:
             gtp_wrap.reset_stats(model)
     s = gtp_wrap.stats(model)
-    storage = engine_of(model).storage
+    storage = engine_of(model).casts.storage
     return {
         "copy_bytes": sum(
             t.numel() * t.element_size()

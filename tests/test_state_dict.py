@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_ranks
+from harness import run_ranks
 from models import TinyGPT
 from torch.distributed.tensor import DTensor
 

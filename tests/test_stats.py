@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from conftest import run_ranks
+from harness import is_sharded, run_ranks, slot_bytes
 from models import DeepMLP, TinyGPT
 from torch import nn
 
@@ -119,16 +119,16 @@ def _grad_ownership(rank: int, world: int, policy: dict, keep_buffers: bool) -> 
     model = GTPWrap(TinyGPT(), {"min_shard_numel": 0, **policy})
     engine = gtp_wrap.api.engine_of(model)
     engine.keep_buffers = keep_buffers  # as graph_step sets it
-    sharded = [p for p in model.parameters() if getattr(p, "_gtp_layout", None) is not None]
+    sharded = [p for p in model.parameters() if is_sharded(p)]
     model(torch.randint(0, 48, (2, 8))).float().pow(2).mean().backward()
-    slot_bytes = [p._gtp_layout.slot_numel * p.element_size() for p in sharded]
+    slots = [slot_bytes(p) for p in sharded]
     storages = [p.grad.untyped_storage() for p in sharded]
     for p in model.parameters():
         p.grad = None  # zero_grad(set_to_none=True)
     return {
         "gather_buffer_bytes": engine.gather_bytes(),
         "grad_bytes": [s.nbytes() for s in storages],
-        "slot_bytes": slot_bytes,
+        "slot_bytes": slots,
         # References to each gradient's memory besides `storages` itself: none may be left.
         "held_elsewhere": [torch._C._storage_Use_Count(s._cdata) - 1 for s in storages],
     }

@@ -25,10 +25,11 @@ from tqdm import tqdm
 
 import gtp_wrap
 from gtp_wrap import GTPPolicy, GTPWrap
+from gtp_wrap.config.policy import resolve_policy
 from gtp_wrap.errors import PolicyError
-from gtp_wrap.policy import resolve_policy
+from gtp_wrap.mesh import MESH_DIMS
 
-from .. import checkpoint
+from ..io import checkpoint
 from . import report
 from .data import DataConfig, DataError, TokenStream
 from .launch import LaunchError, check_local_devices, launch, under_torchrun
@@ -93,7 +94,7 @@ def train(device: torch.device, cfg: dict, run_dir: str) -> None:
     model = GPT(model_cfg).to(device)
     mesh = None
     if cfg["mesh"] is not None:
-        mesh = init_device_mesh(device.type, tuple(cfg["mesh"]), mesh_dim_names=("dp", "gtp"))
+        mesh = init_device_mesh(device.type, tuple(cfg["mesh"]), mesh_dim_names=MESH_DIMS)
     policy: GTPPolicy = resolve_policy(cfg["policy"])
     GTPWrap(model, policy, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import PolicyError
 from . import fp8_triton
-from .errors import PolicyError
 
 if TYPE_CHECKING:
-    from .storage import ShardLayout
+    from ..core.geometry import ShardGeometry
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -133,7 +133,7 @@ def _rowwise_scaled_mm(device_type: str) -> bool:
     return True
 
 
-def fits_gemm(lay: ShardLayout) -> bool:
+def fits_gemm(lay: ShardGeometry) -> bool:
     """Whether `lay` is a weight the FP8 GEMM can take: a 2-D weight sharded by output row,
     with both dims multiples of 16 (torch._scaled_mm's requirement)."""
     return (
@@ -144,16 +144,16 @@ def fits_gemm(lay: ShardLayout) -> bool:
     )
 
 
-def warn_unfit(layouts: list[ShardLayout], fits: list[bool]) -> None:
+def warn_unfit(names: list[str], layouts: list[ShardGeometry], fits: list[bool]) -> None:
     """Name the 2-D weights that keep bf16 GEMMs under fp8_matmul (dims not multiples of 16)."""
-    unfit = [lay for lay, ok in zip(layouts, fits) if not ok and len(lay.shape) == 2]
+    unfit = [(n, g) for n, g, ok in zip(names, layouts, fits) if not ok and len(g.shape) == 2]
     if unfit:
-        names = ", ".join(f"{lay.fqn} {tuple(lay.shape)}" for lay in unfit[:4])
+        listed = ", ".join(f"{name} {tuple(g.shape)}" for name, g in unfit[:4])
         warnings.warn(
             f"fp8_matmul: {len(unfit)} weight(s) keep FP8 gathers with bf16 GEMMs, because "
-            f"torch._scaled_mm needs both dims to be multiples of 16: {names}"
+            f"torch._scaled_mm needs both dims to be multiples of 16: {listed}"
             + (", ..." if len(unfit) > 4 else ""),
-            stacklevel=4,
+            stacklevel=6,  # the GTPWrap call: fp8, encoding, build, engine, api
         )
 
 
@@ -177,7 +177,7 @@ def linear_forward(
     x: torch.Tensor,
     w: torch.Tensor,
     scale: torch.Tensor,
-    lay: ShardLayout,
+    lay: ShardGeometry,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     rows = lay.shape[0]

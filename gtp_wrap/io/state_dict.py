@@ -8,30 +8,24 @@ torch.chunk's block along the shard dim, which is what the flat storage keeps.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from .errors import WrapError
-
-if TYPE_CHECKING:
-    from .engine import GTPEngine
-    from .storage import ShardLayout
+from ..core.geometry import ShardGeometry
+from ..errors import WrapError
+from ..runtime.engine import GTPEngine
 
 
-def _placements(engine: GTPEngine, dim: int) -> list:
-    return [Replicate(), Shard(dim)] if engine.mesh.is_2d else [Shard(dim)]
-
-
-def to_dtensor(engine: GTPEngine, lay: ShardLayout, local: torch.Tensor) -> DTensor:
+def to_dtensor(engine: GTPEngine, lay: ShardGeometry, local: torch.Tensor) -> DTensor:
     """A local block of a sharded weight (or of its optimizer state) as a DTensor of the logical,
     unpadded shape."""
     return DTensor.from_local(
         local,
         engine.mesh.device_mesh,
-        _placements(engine, lay.dim),
+        engine.mesh.placements(lay.dim),
         run_check=False,
         shape=lay.shape,
         stride=torch.empty(lay.shape, device="meta").stride(),
@@ -46,12 +40,12 @@ def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
     """
     # A module registered under two names (a block reused in a ModuleList) is reached through
     # both FQNs: one entry per parameter name of each module.
-    owned: dict[int, tuple[nn.Module, dict[str, ShardLayout]]] = {}
-    for lay, fqns in zip(engine.layouts, engine.fqns):
-        for fqn in fqns:
+    owned: dict[int, tuple[nn.Module, dict[str, ShardGeometry]]] = {}
+    for w in engine.weights:
+        for fqn in w.fqns:
             path, _, name = fqn.rpartition(".")
             module = root.get_submodule(path)
-            owned.setdefault(id(module), (module, {}))[1][name] = lay
+            owned.setdefault(id(module), (module, {}))[1][name] = w.geometry
     for module, by_name in owned.values():
         weights = list(by_name.items())
         module._register_state_dict_hook(functools.partial(_to_dtensors, engine, weights))
@@ -62,7 +56,7 @@ def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
 
 def _to_dtensors(
     engine: GTPEngine,
-    weights: list[tuple[str, ShardLayout]],
+    weights: list[tuple[str, ShardGeometry]],
     module: nn.Module,
     sd: dict,
     prefix: str,
@@ -80,7 +74,7 @@ def _to_dtensors(
 def _to_local(
     engine: GTPEngine,
     module: nn.Module,
-    weights: list[tuple[str, ShardLayout]],
+    weights: list[tuple[str, ShardGeometry]],
     sd: dict,
     prefix: str,
     meta: dict,
@@ -99,7 +93,7 @@ def _to_local(
         if value is None:
             continue
         if isinstance(value, DTensor):
-            if list(value.placements) == _placements(engine, lay.dim):
+            if list(value.placements) == engine.mesh.placements(lay.dim):
                 value = value.to_local()
             else:
                 value = value.full_tensor()

@@ -1,9 +1,9 @@
-"""The registered parameter of a sharded weight: the local shard, plus interception of its uses.
+"""The registered parameter of a managed weight: the local shard, plus interception of its uses.
 
-Note: a sharded weight can be read anywhere: in its own module's forward, in a parent's forward
-(a tied output head reading the embedding), as a view kept for later, inside a checkpointed
-region's recompute. Module hooks only see the first of these. A parameter subclass sees them
-all: while a pass runs, every torch function that takes the parameter is handed the gathered
+[Note: interception] A sharded weight can be read anywhere: in its own module's forward, in a
+parent's forward (a tied output head reading the embedding), as a view kept for later, inside a
+checkpointed region's recompute. Module hooks only see the first of these. A parameter subclass sees
+them all: while a pass runs, every torch function that takes the parameter is handed the gathered
 full weight instead. Outside passes (optimizer steps, state dicts, user code) it is an ordinary
 parameter holding the local shard, so `named_parameters()` and any optimizer work unchanged.
 """
@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from .errors import WrapError
-
-if TYPE_CHECKING:
-    from .engine import GTPEngine
-    from .storage import ShardLayout
+from ..errors import WrapError
+from .weight import CastWeight, Runtime, ShardedWeight
 
 # Metadata queries answer for the weight a use sees (logical full shape, compute dtype) during a
 # pass, without a gather.
@@ -48,43 +44,42 @@ _TENSOR_GETTERS = frozenset(getattr(torch.Tensor, name).__get__ for name in ("T"
 _ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
 
 
-class _OpenPasses:
-    """How many passes are open across all engines: zero makes interception a no-op check."""
+class OpenPasses:
+    """How many passes are open across all engines: zero makes interception a no-op check
+    (the engines' pass stacks keep it, runtime/passes.py)."""
 
     count = 0
 
 
 class GTPParameter(nn.Parameter):
-    """A parameter holding this rank's rows of a sharded weight (see module docstring)."""
+    """A parameter holding this rank's rows of a sharded weight, or a replicated parameter read
+    through its compute-dtype copy (see the module docstring). `_gtp_weight` is all it knows."""
 
-    _gtp_layout: ShardLayout | None  # None: a replicated parameter used in the compute dtype
-    _gtp_engine: GTPEngine
-    _gtp_cast: torch.Tensor  # replicated only: its copy in the compute dtype
-    _gtp_cast_version: int
-    _gtp_meta: torch.Tensor  # the weight a use sees (shape, compute dtype) on the meta device
+    _gtp_weight: ShardedWeight | CastWeight
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if not _OpenPasses.count and torch._C._current_graph_task_id() == -1:
+        if not OpenPasses.count and torch._C._current_graph_task_id() == -1:
             with torch._C.DisableTorchFunctionSubclass():  # optimizer steps, state dicts
                 return func(*args, **kwargs)
-        engine = _engine_of(args, kwargs)
+        runtime = _runtime_of(args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
-            if engine is None or not engine.intercepting():
+            if runtime is None or not runtime.intercepting():
                 return func(*args, **kwargs)
             if func in _META_FUNCS:
                 args, kwargs = tree_map_only(GTPParameter, _meta, (args, kwargs))
                 return func(*args, **kwargs)
             if not is_use(func):
                 return func(*args, **kwargs)
-            return engine.call_with_full_weights(func, args, kwargs)
+            return runtime.use(func, args, kwargs)
 
     def register_hook(self, hook):  # type: ignore[override]
-        if self._gtp_layout is None:
+        weight = self._gtp_weight
+        if type(weight) is not ShardedWeight:
             return super().register_hook(hook)
         raise WrapError(
-            f"register_hook on the sharded parameter '{self._gtp_layout.fqn}': no gradient "
+            f"register_hook on the sharded parameter '{weight.fqn}': no gradient "
             "flows into it through autograd (the engine reduce-scatters the full weight's "
             "gradient and writes this rank's rows into .grad), so the hook would only ever see "
             "None. Use register_post_accumulate_grad_hook, which runs once the reduced "
@@ -92,12 +87,13 @@ class GTPParameter(nn.Parameter):
         )
 
     def register_post_accumulate_grad_hook(self, hook):  # type: ignore[override]
-        if self._gtp_layout is not None:
+        weight = self._gtp_weight
+        if type(weight) is ShardedWeight:
             if not self.requires_grad:  # as torch's own refusal
                 raise RuntimeError(
                     "cannot register a hook on a tensor that doesn't require gradient"
                 )
-            return self._gtp_engine.add_grad_hook(self, hook)
+            return weight.add_grad_hook(hook)
 
         def on_the_parameter(p: torch.Tensor) -> None:
             # Autograd runs it inside backward, where this parameter would read as its
@@ -148,45 +144,45 @@ def is_use(func) -> bool:
 
 
 def _meta(p: GTPParameter) -> torch.Tensor:
-    return p._gtp_meta
+    return p._gtp_weight.meta
 
 
-def _engine_of(args: tuple, kwargs: dict) -> GTPEngine | None:
+def _runtime_of(args: tuple, kwargs: dict) -> Runtime | None:
     for a in args:
         if type(a) is GTPParameter:
-            return a._gtp_engine
-    found: list[GTPEngine] = []
+            return a._gtp_weight.runtime
+    found: list[Runtime] = []
 
     def visit(p: GTPParameter) -> GTPParameter:
-        found.append(p._gtp_engine)
+        found.append(p._gtp_weight.runtime)
         return p
 
     tree_map_only(GTPParameter, visit, (args, kwargs))
     return found[0] if found else None
 
 
-# Note: optimizers pick their fast multi-tensor (foreach) kernels only for parameters whose
-# exact type is listed here, and fall back to one small kernel per tensor otherwise (measured:
-# ~19 ms of host time per AdamW step on a 1.4B model). Outside passes a GTPParameter is a
-# plain strided tensor to every kernel, so it is safe to list.
-_optim_types = getattr(
-    importlib.import_module("torch.optim.optimizer"), "_foreach_supported_types", None
-)
-if isinstance(_optim_types, list) and GTPParameter not in _optim_types:
-    _optim_types.append(GTPParameter)
+def register_with_optimizers() -> None:
+    """Let optimizers take their multi-tensor kernels for GTP parameters (at the first wrap).
+
+    [Note: foreach optimizers] Optimizers pick their fast multi-tensor (foreach) kernels only
+    for parameters whose exact type is listed in `_foreach_supported_types`, and fall back to
+    one small kernel per tensor otherwise (measured: ~19 ms of host time per AdamW step on a
+    1.4B model). Outside passes a GTPParameter is a plain strided tensor to every kernel, so it
+    is safe to list.
+    """
+    types = getattr(
+        importlib.import_module("torch.optim.optimizer"), "_foreach_supported_types", None
+    )
+    if isinstance(types, list) and GTPParameter not in types:
+        types.append(GTPParameter)
 
 
 def make_gtp_parameter(
-    data: torch.Tensor,
-    requires_grad: bool,
-    layout: ShardLayout | None,
-    engine: GTPEngine,
-    compute_dtype: torch.dtype | None,
+    data: torch.Tensor, requires_grad: bool, weight: ShardedWeight | CastWeight
 ) -> GTPParameter:
-    """`data` (a view into the flat storage, or a replicated tensor) as an engine parameter."""
+    """`data` (a view into the flat storage, or a replicated tensor) as the parameter of
+    `weight`, which points back at it."""
     p = GTPParameter(data, requires_grad=requires_grad)
-    p._gtp_layout = layout
-    p._gtp_engine = engine
-    shape = layout.shape if layout is not None else data.shape
-    p._gtp_meta = torch.empty(shape, dtype=compute_dtype or data.dtype, device="meta")
+    p._gtp_weight = weight
+    weight.param = p
     return p

@@ -15,9 +15,9 @@ import collections
 import dataclasses
 import enum
 
+from ..comm.comm import Pending
+from ..core.weight import ShardedWeight
 from .buffers import GatherBuffer
-from .comm import Pending
-from .storage import ShardLayout
 
 
 class PassKind(enum.Enum):
@@ -30,20 +30,20 @@ class PassKind(enum.Enum):
 class Gather:
     """A gather issued into a buffer."""
 
-    layout: ShardLayout
+    weight: ShardedWeight
     buffer: GatherBuffer
     pending: Pending
 
 
 @dataclasses.dataclass(frozen=True)
 class Chain:
-    """A recorded order of uses (layout indices), cut into groups gathered as one collective.
+    """A recorded order of uses (weight indices), cut into groups gathered as one collective.
 
-    Note: on NVLink a collective of a few MB is latency-bound: one transformer layer's seven
-    weights take 0.37 ms gathered one by one and 0.25 ms as one grouped launch, which moves
-    them as fast as one flat buffer of the same bytes would, and costs one launch of host time
-    instead of seven (2xH200, `benchmarks/collectives.py`). So consecutive uses are grouped
-    until their full weights reach `group_numel` elements; each weight keeps its own buffer.
+    [Note: grouped gathers] On NVLink a collective of a few MB is latency-bound: one transformer
+    layer's seven weights take 0.37 ms gathered one by one and 0.25 ms as one grouped launch, which
+    moves them as fast as one flat buffer of the same bytes would, and costs one launch of host time
+    instead of seven (2xH200, `benchmarks/collectives.py`). So consecutive uses are grouped until
+    their full weights reach `group_numel` elements; each weight keeps its own buffer.
     """
 
     order: tuple[int, ...]
@@ -117,13 +117,3 @@ class PassState:
     def followed_chain(self) -> bool:
         """Whether the pass used exactly the recorded chain (so nothing needs recording)."""
         return self.chain is not None and not self.diverged and self.cursor == len(self.chain.order)
-
-
-def first_difference(chains: list[list[int]]) -> tuple[int, list[int | None]] | None:
-    """The first position where the ranks' chains differ and each rank's entry there."""
-    longest = max(len(c) for c in chains)
-    for pos in range(longest):
-        entries = [c[pos] if pos < len(c) else None for c in chains]
-        if len(set(entries)) > 1:
-            return pos, entries
-    return None

@@ -45,8 +45,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..errors import PolicyError
 from . import copy_kernels
-from .errors import PolicyError
 
 _ALIGN = 128  # bytes: every piece starts on this boundary in the workspace and in its tensor
 

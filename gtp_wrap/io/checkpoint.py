@@ -33,16 +33,13 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from .api import engine_of
-from .errors import GTPError
+from ..api import engine_of, is_wrapped
+from ..core.geometry import row_block
+from ..errors import CheckpointError, GTPError
 from .state_dict import full_state_dict, to_dtensor
 
 _NAME = re.compile(r"^ckpt_(\d{6})$")
 _FORMAT = 1
-
-
-class CheckpointError(GTPError, RuntimeError):
-    """A checkpoint cannot be written or read: missing, corrupted, or of another model."""
 
 
 # ---- state dicts keyed by FQN ---------------------------------------------------------------
@@ -52,8 +49,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     """The optimizer's per-parameter state keyed by parameter FQN; the state of sharded
     parameters as DTensors of the logical shape, so it reshards with the model."""
     fqn_of = {id(p): name for name, p in model.named_parameters()}
-    engine = engine_of(model) if hasattr(model, "_gtp_engine") else None
-    layout_of = {id(p): p._gtp_layout for p in engine.params} if engine else {}
+    engine = engine_of(model) if is_wrapped(model) else None
+    layout_of = {id(w.param): w.geometry for w in engine.weights} if engine else {}
     out: dict[str, Any] = {}
     for p, state in optimizer.state.items():
         entry = {}
@@ -141,10 +138,8 @@ def _pieces(tensors: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dict, 
             for mesh_dim, placement in enumerate(v.placements):
                 if isinstance(placement, Shard):
                     dim = placement.dim
-                    n, g = v.shape[dim], v.device_mesh.size(mesh_dim)
-                    per = -(-n // g)
-                    start = min(n, coord[mesh_dim] * per)
-                    end = min(n, start + per)
+                    parts = v.device_mesh.size(mesh_dim)
+                    start, end = row_block(v.shape[dim], parts, coord[mesh_dim])
                 elif coord[mesh_dim] != 0:
                     writes = False  # another replica along this dim writes it
             desc = {"shape": list(v.shape), "dtype": str(v.dtype), "dim": dim}
@@ -230,13 +225,13 @@ def save(
     if rank == 0:
         (tmp / "meta.json").write_text(meta_text)
         tmp.rename(final)
-    engine.comm.exchange("checkpoint-published", [1])
+    engine.agreement.exchange("checkpoint-published", [1])
     return final
 
 
 def _exchange(engine: Any, purpose: str, values: list[int], root: Path) -> list[list[int]]:
     try:
-        return engine.comm.exchange(purpose, values)
+        return engine.agreement.exchange(purpose, values)
     except GTPError as e:
         raise CheckpointError(
             f"saving a checkpoint in {root} failed: not every rank reached '{purpose}' ({e}). "

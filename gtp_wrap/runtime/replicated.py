@@ -8,16 +8,15 @@ grad, so a parameter no rank used keeps `.grad = None` exactly like in unsharded
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from .comm import Comm, Pending
-
-if TYPE_CHECKING:
-    from .engine import GTPEngine
+from ..comm.comm import Comm, Pending
+from ..mesh import MeshAxis
 
 _BUCKET_BYTES = 25 << 20
 
@@ -43,15 +42,20 @@ class _Bucket:
 class ReplicatedGrads:
     """Bucketed, overlapped all-reduce of the replicated parameters' grads."""
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], comm: Comm) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], names: list[str], comm: Comm, axis: MeshAxis
+    ) -> None:
         self.comm = comm
+        self.axis = axis  # every data rank
+        self.sync = True  # off under no_sync
         self._name_of = {id(p): name for p, name in zip(params, names)}
         self._warned: set[int] = set()
         self.buckets: list[_Bucket] = []
         # Grads become ready roughly in reverse registration order, so buckets follow it.
-        # Note: parameters frozen now may be unfrozen later (fine-tuning schedules); they get
-        # buckets of their own, which launch only when backward ends and only while one of
-        # their parameters requires grad, so the others' buckets still launch early.
+        # [Note: frozen replicated parameters] Parameters frozen now may be unfrozen later
+        # (fine-tuning schedules); they get buckets of their own, which launch only when
+        # backward ends and only while one of their parameters requires grad, so the others'
+        # buckets still launch early.
         groups: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
         for p in reversed(params):
             if p.is_floating_point() or p.is_complex():
@@ -69,14 +73,14 @@ class ReplicatedGrads:
                 self.buckets.append(_Bucket(current))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
 
-    def register(self, engine: GTPEngine) -> None:
+    def register(self, ensure_backward: Callable[[], None]) -> None:
         """Launch each bucket's all-reduce once all its grads are in; parameters frozen now
         are hooked by `hook_unfrozen` once they require grad."""
 
         def on_grad(p: torch.Tensor) -> None:
-            if not engine.sync_replicated:
+            if not self.sync:
                 return
-            engine._ensure_backward()
+            ensure_backward()
             if len(p._post_accumulate_grad_hooks or ()) > 1 and id(p) not in self._warned:
                 self._warn_user_hook(p)
             bucket = self._bucket_of[id(p)]
@@ -128,9 +132,20 @@ class ReplicatedGrads:
             offset += n
         bucket.pending = self.comm.all_reduce(
             bucket.flat,
-            "world",
+            self.axis,
             f"all-reduce of replicated grads ({len(bucket.params)} parameters)",
         )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        outer, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = outer  # nested: still off until the outermost exits
+
+    def in_flight(self) -> list[Pending]:
+        return [b.pending for b in self.buckets if b.pending is not None]
 
     def finish(self) -> None:
         """Launch the buckets still waiting, then land every reduced grad in `.grad`."""

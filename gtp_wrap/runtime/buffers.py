@@ -1,13 +1,13 @@
 """Reusable gather buffers: the memory full weights live in while they are used.
 
-Note: a buffer is free only when no tensor reads it anymore. Views of a gathered weight escape
-in ways no hook sees (`w = self.weight.t()` kept for later, several same-shape weights read
-before any is used, a checkpoint frame holding recomputed weights), and handing such a buffer to
-the next gather would overwrite a weight still being read. So freeness is not guessed from the
-access pattern: it is read off the storage's reference count, which counts every live view.
-Picks are deterministic (first free buffer of the right size, in creation order). Between eager
-steps the engine releases the free buffers (see GTPEngine.__init__); a captured step keeps them,
-so from its capture on the same weights land in the same buffers at the same addresses.
+[Note: buffer freeness] A buffer is free only when no tensor reads it anymore. Views of a gathered
+weight escape in ways no hook sees (`w = self.weight.t()` kept for later, several same-shape weights
+read before any is used, a checkpoint frame holding recomputed weights), and handing such a buffer
+to the next gather would overwrite a weight still being read. So freeness is not guessed from the
+access pattern: it is read off the storage's reference count, which counts every live view. Picks
+are deterministic (first free buffer of the right size, in creation order). Between eager steps the
+engine releases the free buffers (see [Note: buffers between steps]); a captured step keeps them, so
+from its capture on the same weights land in the same buffers at the same addresses.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .storage import ShardLayout
+from ..core.weight import ShardedWeight
 
 _SETTLE_S = 1.0
 
@@ -39,7 +39,7 @@ class GatherBuffer:
         self._storage = self.tensor.untyped_storage()
         self._baseline = self._use_count()
         self._gathering = False
-        self.owner: ShardLayout | None = None  # the weight last gathered into it
+        self.owner: ShardedWeight | None = None  # the weight last gathered into it
         self.data_ptr = self._storage.data_ptr()
         self.nbytes = self.tensor.numel() * self.tensor.element_size()
 

@@ -1,0 +1,1 @@
+"""Collectives (process group and copy engine) and cross-rank agreement."""

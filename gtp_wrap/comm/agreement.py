@@ -1,0 +1,72 @@
+"""Cross-rank agreement: every rank's values for one check, through the rendezvous store.
+
+[Note: agreement through the store] Agreement checks run exactly when ranks may have diverged
+(wrapping, a recorded chain, a capture, a checkpoint). A collective issued for the check could
+pair with a peer's stray gather and hang or mix data; the rendezvous store is a separate
+channel, so a missing peer ends in a timeout, never a mix-up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+
+import torch.distributed as dist
+
+from ..errors import CollectiveTimeoutError
+
+
+class Agreement:
+    """The exchanges of one engine, keyed by its tag so that engines never pair."""
+
+    def __init__(self, world_size: int, timeout_s: float, tag: str) -> None:
+        self.world_size = world_size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.tag = tag
+        self.count = 0  # exchanges made so far
+        # The previous exchange's purpose and number, whose key to delete next. The key keeps
+        # the check's purpose so that ranks at different checks never pair; so it cannot be
+        # derived from the counter alone.
+        self._previous = ""
+
+    def exchange(self, purpose: str, values: list[int]) -> list[list[int]]:
+        """Every world rank's `values` for the check `purpose`."""
+        if self.world_size == 1:
+            return [values]
+        self.count += 1
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"gtp_wrap/{self.tag}/{purpose}/{self.count}"
+        store.set(f"{prefix}/{dist.get_rank()}", ",".join(map(str, values)))
+        keys = [f"{prefix}/{r}" for r in range(dist.get_world_size())]
+        try:
+            store.wait(keys, self.timeout)
+        except RuntimeError as e:
+            raise CollectiveTimeoutError(
+                f"ranks did not all reach the '{purpose}' check within "
+                f"{self.timeout.total_seconds():g}s: a peer rank is missing or stuck. Cause: {e}"
+            ) from e
+        out = []
+        for key in keys:
+            raw = store.get(key).decode()
+            out.append([int(v) for v in raw.split(",")] if raw else [])
+        # Every rank set this exchange's key after reading all of the previous one's, so no
+        # one reads this rank's previous key anymore: the store keeps two exchanges, not all.
+        if self.count > 1:
+            store.delete_key(f"gtp_wrap/{self.tag}/{self._previous}/{dist.get_rank()}")
+        self._previous = f"{purpose}/{self.count}"
+        return out
+
+
+def stable_hash(text: str) -> int:
+    """A hash that is the same in every process (Python's hash() is salted per process)."""
+    return zlib.crc32(text.encode())
+
+
+def first_difference(per_rank: list[list[int]]) -> tuple[int, list[int | None]] | None:
+    """The first position where the ranks' values differ, and each rank's entry there."""
+    longest = max(len(c) for c in per_rank)
+    for pos in range(longest):
+        entries = [c[pos] if pos < len(c) else None for c in per_rank]
+        if len(set(entries)) > 1:
+            return pos, entries
+    return None

@@ -1,0 +1,1 @@
+"""Policies and rule matching: what to shard and how the engine runs."""

@@ -1,0 +1,187 @@
+"""The wrap-time build: from a module and its parameter plans to sharded weights in place.
+
+In order: every rank checks that it plans what its peers plan (through the store, before any
+collective); the sharded weights are laid out in flat storage; every rank starts from rank 0's
+parameters and buffers (as DDP does); each rank copies its rows into the storage and registers
+a `GTPParameter` viewing them wherever the original parameter was registered; with a compute
+dtype, replicated floating-point parameters are registered as parameters read through a copy
+in that dtype. This is the part a meta-device init replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..comm.agreement import Agreement, first_difference, stable_hash
+from ..comm.comm import Comm
+from ..config.plan import ParameterPlan
+from ..config.policy import GTPPolicy
+from ..errors import WrapError
+from ..mesh import GTPMesh
+from ..precision import fp8
+from ..precision.encoding import FP8Packing, Precision, make_encodings
+from .geometry import lay_out
+from .parameter import make_gtp_parameter, register_with_optimizers
+from .storage import FlatStorage
+from .weight import CastWeight, Runtime, ShardedWeight
+
+# Policy fields that decide which collectives a step issues, in what order and on what dtypes:
+# ranks that differ in one would pair unrelated collectives.
+AGREED_FIELDS = (
+    "prefetch_depth", "group_numel", "loss_reduction", "param_dtype", "reduce_dtype",
+    "gather_dtype", "fp8_matmul", "collectives",
+)  # fmt: skip
+
+# The parameters wrapping replaced (by id): an optimizer built before GTPWrap holds these, gets
+# no gradients for them, and would silently train nothing but what was left in place.
+_replaced: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+# Optimizers checked, with how many parameters they held then (add_param_group adds more).
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_check_installed = False
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if not _replaced or _checked.get(optimizer) == count:
+        return
+    _checked[optimizer] = count
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if _replaced.get(id(p)) is p:
+                raise WrapError(
+                    f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} "
+                    "that GTPWrap replaced (it was built before wrapping), so it would not train "
+                    "the wrapped weights; build the optimizer from model.parameters() after "
+                    "GTPWrap"
+                )
+
+
+def install_process_hooks() -> None:
+    """What wrapping changes process-wide, done at the first wrap rather than at import: the
+    optimizers' multi-tensor kernels take GTP parameters, and an optimizer holding replaced
+    parameters is refused at its step."""
+    global _check_installed
+    register_with_optimizers()
+    if not _check_installed:
+        register_optimizer_step_pre_hook(_refuse_replaced)
+        _check_installed = True
+
+
+@dataclasses.dataclass
+class Built:
+    """What the build made."""
+
+    weights: list[ShardedWeight]
+    storage: FlatStorage
+    packing: FP8Packing | None
+    cast_weights: list[CastWeight]
+    replicated: list[nn.Parameter]  # as registered now (a cast parameter, or the original)
+    replicated_names: list[str]
+
+
+def check_ranks_agree(plans: list[ParameterPlan], policy: GTPPolicy, agreement: Agreement) -> None:
+    """Every rank must plan the same parameters the same way, with the same policy, checked
+    before any collective."""
+    fields = [f"{name}={getattr(policy, name)!r}" for name in AGREED_FIELDS]
+    sigs = [stable_hash(field) for field in fields] + [
+        stable_hash(f"{p.fqns[0]}|{tuple(p.param.shape)}|{p.param.dtype}|{p.shard_dim}")
+        for p in plans
+    ]
+    diff = first_difference(agreement.exchange("wrap", sigs))
+    if diff is None:
+        return
+    pos, _ = diff
+    if pos < len(fields):
+        raise WrapError(
+            f"ranks wrapped with different policies: this rank has GTPPolicy.{fields[pos]}, "
+            "another rank a different value. Give every rank the same policy"
+        )
+    pos -= len(fields)
+    here = plans[pos] if pos < len(plans) else None
+    what = (
+        f"'{here.fqns[0]}' (shape {tuple(here.param.shape)}, shard dim {here.shard_dim})"
+        if here
+        else "nothing"
+    )
+    raise WrapError(
+        f"ranks disagree on parameter #{pos}: this rank has {what}. Build the same model "
+        "with the same policy on every rank before wrapping"
+    )
+
+
+def build(
+    root: nn.Module,
+    plans: list[ParameterPlan],
+    policy: GTPPolicy,
+    precision: Precision,
+    mesh: GTPMesh,
+    comm: Comm,
+    runtime: Runtime,
+    device: torch.device,
+) -> Built:
+    """Shard the planned weights of `root` in place (see the module docstring)."""
+    sharded = [p for p in plans if p.shard_dim is not None]
+    geometries, numels = lay_out(
+        [(p.param.shape, p.shard_dim, p.param.dtype) for p in sharded],  # type: ignore[misc]
+        rank=mesh.gtp.rank,
+        world=mesh.gtp.size,
+        align=policy.pad_for_alignment,
+        block=fp8.BLOCK if precision.fp8 else 1,
+    )
+    storage = FlatStorage(numels, device, precision.param_dtype if precision.keep_copy else None)
+    weights = [
+        ShardedWeight(i, plan.fqns, geo, mesh.gtp, runtime, precision.compute_dtype(geo.dtype))
+        for i, (plan, geo) in enumerate(zip(sharded, geometries))
+    ]
+    encodings, packing = make_encodings(
+        precision, geometries, [w.fqn for w in weights], storage.compute, storage.params, device
+    )
+    _sync_from_rank0(root, plans, comm)
+    for plan, w, encoding in zip(sharded, weights, encodings):
+        geo = w.geometry
+        flat = storage.params[geo.dtype]
+        with torch.no_grad():
+            geo.local_view(flat).copy_(geo.local_rows_of(plan.param.detach()))
+        _replace(plan, make_gtp_parameter(geo.local_view(flat), plan.param.requires_grad, w))
+        w.encoding = encoding
+        w.local = geo.local_view(storage.compute[geo.dtype])
+    replicated = [p for p in plans if p.shard_dim is None]
+    cast_weights = []
+    registered: list[nn.Parameter] = []
+    for plan in replicated:
+        param = plan.param
+        dtype = precision.param_dtype
+        if dtype is None or not param.is_floating_point() or param.dtype == dtype:
+            registered.append(param)
+            continue
+        # Read through a copy in the compute dtype (made once per step, runtime/casts.py), so
+        # the whole forward runs in one dtype.
+        cast = CastWeight(plan.fqns[0], param, dtype, runtime)
+        new = make_gtp_parameter(param.detach(), param.requires_grad, cast)
+        _replace(plan, new)
+        cast_weights.append(cast)
+        registered.append(new)
+    names = [plan.fqns[0] for plan in replicated]
+    return Built(weights, storage, packing, cast_weights, registered, names)
+
+
+def _sync_from_rank0(root: nn.Module, plans: list[ParameterPlan], comm: Comm) -> None:
+    """Start every rank from rank 0's parameters and buffers, as DDP does, so ranks that
+    initialized with different seeds still train one model."""
+    named = [(plan.fqns[0], plan.param.data) for plan in plans]
+    with torch.no_grad():
+        for name, tensor in named + list(root.named_buffers()):
+            comm.wait(comm.broadcast(tensor, f"broadcast of '{name}' from rank 0"))
+
+
+def _replace(plan: ParameterPlan, param: nn.Parameter) -> None:
+    """Register `param` in place of the planned one wherever that was registered."""
+    for module, name in plan.owners:
+        module._parameters[name] = param
+    _replaced[id(plan.param)] = plan.param

@@ -1,0 +1,136 @@
+"""Where a sharded weight's rows live: the row-block arithmetic, once for the whole package.
+
+A weight of logical shape S sharded along dim d is viewed with d moved to the front as
+(rows, *rest). It is split into blocks of `rows_per_rank = ceil(rows / N)` rows (torch.chunk's
+split, so the local block is exactly DTensor's Shard(d) local tensor). Each rank stores its block
+in a slot of `rows_per_rank * row_numel` elements of one flat tensor per dtype; the rows past the
+logical end (the last ranks' padding) are zeros that no parameter view covers. An all-gather of
+the slots therefore yields the padded full weight contiguously, and the logical weight is its
+first `rows` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+_ALIGN_BYTES = 128
+
+
+def row_block(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of block `index` when `rows` are split into `parts` blocks as torch.chunk
+    (and DTensor's Shard) split them: ceil(rows / parts) each, the last ones shorter or empty."""
+    per = -(-rows // parts)
+    start = min(rows, index * per)
+    return start, min(rows, start + per)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGeometry:
+    """One sharded weight's logical shape and its slot in the flat storage of its dtype."""
+
+    shape: torch.Size
+    dim: int
+    rank: int
+    world: int
+    dtype: torch.dtype
+    offset: int
+
+    @functools.cached_property
+    def rows(self) -> int:
+        return self.shape[self.dim]
+
+    @functools.cached_property
+    def rest(self) -> tuple[int, ...]:
+        return tuple(s for i, s in enumerate(self.shape) if i != self.dim)
+
+    @functools.cached_property
+    def row_numel(self) -> int:
+        return math.prod(self.rest)
+
+    @functools.cached_property
+    def rows_per_rank(self) -> int:
+        return -(-self.rows // self.world)
+
+    @functools.cached_property
+    def local_start(self) -> int:
+        return row_block(self.rows, self.world, self.rank)[0]
+
+    @functools.cached_property
+    def local_rows(self) -> int:
+        start, stop = row_block(self.rows, self.world, self.rank)
+        return stop - start
+
+    @functools.cached_property
+    def slot_numel(self) -> int:
+        return self.rows_per_rank * self.row_numel
+
+    @functools.cached_property
+    def gathered_numel(self) -> int:
+        return self.world * self.slot_numel
+
+    @functools.cached_property
+    def padded_rows(self) -> int:
+        return self.world * self.rows_per_rank
+
+    def slot(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's whole slot (its rows plus any padding rows): what a collective moves."""
+        return flat[self.offset : self.offset + self.slot_numel]
+
+    def local_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows in the weight's logical layout: the registered parameter."""
+        return self.local_of_slot(self.slot(flat))
+
+    def local_of_slot(self, slot: torch.Tensor) -> torch.Tensor:
+        """The rows of a slot-sized tensor that this rank owns, in the logical layout."""
+        block = slot[: self.local_rows * self.row_numel].view(self.local_rows, *self.rest)
+        return block.movedim(0, self.dim)
+
+    @functools.cached_property
+    def full_stride(self) -> tuple[int, ...]:
+        """Strides of the logical weight inside a gathered buffer (rows first in memory)."""
+        return torch.empty((self.rows, *self.rest), device="meta").movedim(0, self.dim).stride()
+
+    def full_view(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The logical full weight inside a gathered (padded) buffer: one view op."""
+        return gathered.as_strided(self.shape, self.full_stride, 0)
+
+    def local_rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a logical full tensor, in the logical layout (for loading)."""
+        moved = full.movedim(self.dim, 0)
+        return moved[self.local_start : self.local_start + self.local_rows].movedim(0, self.dim)
+
+    def padded_rows_view(self, full: torch.Tensor) -> torch.Tensor:
+        """A contiguous (padded_rows * row_numel,) copy or view of a logical full tensor."""
+        moved = full.movedim(self.dim, 0)
+        pad = self.padded_rows - self.rows
+        if pad:
+            moved = torch.cat([moved, moved.new_zeros((pad, *self.rest))])
+        return moved.reshape(-1)
+
+
+def lay_out(
+    specs: list[tuple[torch.Size, int, torch.dtype]],
+    rank: int,
+    world: int,
+    align: bool,
+    block: int = 1,
+) -> tuple[list[ShardGeometry], dict[torch.dtype, int]]:
+    """Lay the slots of weights (shape, shard dim, dtype) out back to back per dtype, each start
+    aligned when asked; with a `block` (FP8 quantization) every slot starts and ends on a whole
+    block. Returns the geometries and each dtype's flat storage size."""
+    ends: dict[torch.dtype, int] = {}
+    geometries = []
+    for shape, dim, dtype in specs:
+        offset = ends.get(dtype, 0)
+        if align:
+            step = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+            offset = -(-offset // step) * step
+        offset = -(-offset // block) * block
+        geometry = ShardGeometry(shape, dim, rank, world, dtype, offset)
+        ends[dtype] = offset + -(-geometry.slot_numel // block) * block
+        geometries.append(geometry)
+    return geometries, ends

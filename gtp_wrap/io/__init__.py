@@ -1,0 +1,1 @@
+"""State dicts (DTensors, full exports) and sharded, reshardable checkpoints."""

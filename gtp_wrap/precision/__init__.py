@@ -1,0 +1,1 @@
+"""Gather encodings (plain, cast, FP8) and their kernels."""

@@ -1,0 +1,210 @@
+"""How each sharded weight travels in its gathers, and the dtypes an engine computes in.
+
+`Precision` resolves a policy's dtype fields once, at wrap time. Each weight then gets one
+`Encoding`: what its gathers send (its slot of the flat storage, or its packed FP8 slot), in
+what dtype the gather buffer is, and how the gathered buffer becomes the weight a use reads. A
+send of another dtype than its gather buffer is cast on its way by the transport (Comm).
+
+[Note: no compute copy] By default no param_dtype copy of the shards is kept: each gather casts
+1/N of its weight into its own part of the gather buffer (Comm does, on the stream that moves
+the gather: copy-engine collectives thus keep the casts off the compute stream, whose critical
+path they lengthened by 2.6 ms per graphed 1.36B step). On 2xH200 (1.36B, batch 1-8) that moved
+step time only within run-to-run noise, while the copy (compute_copy, cast once per step) held
+1.27 GiB per GPU and put peak memory above FSDP2's. FP8 gathers read packed FP8 slots instead,
+and a group of one, which gathers nothing, keeps the copy its local uses read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config.policy import GTPPolicy, policy_dtype
+from ..core.geometry import ShardGeometry
+from ..errors import PolicyError
+from . import fp8, fp8_triton
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The dtypes of one engine (see GTPPolicy's fields of the same names)."""
+
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    fp8: bool  # gathers move FP8 (never in a group of one, which gathers nothing)
+    fp8_matmul: bool  # and F.linear uses of weights that fit run as FP8 GEMMs
+    keep_copy: bool  # a compute-dtype copy of the shards is kept (see [Note: no compute copy])
+
+    @classmethod
+    def resolve(cls, policy: GTPPolicy, gtp_size: int, device: torch.device) -> Precision:
+        if policy.gather_dtype is not None:
+            try:
+                fp8.fp8_dtype()
+            except TypeError as e:
+                raise PolicyError(str(e)) from e
+        use_fp8 = policy.gather_dtype is not None and gtp_size > 1
+        fp8_matmul = use_fp8 and policy.fp8_matmul
+        if fp8_matmul:
+            fp8.check_gemm_device(device)
+        return cls(
+            param_dtype=policy_dtype(policy.param_dtype),
+            reduce_dtype=policy_dtype(policy.reduce_dtype),
+            fp8=use_fp8,
+            fp8_matmul=fp8_matmul,
+            keep_copy=not use_fp8 and (policy.compute_copy or gtp_size == 1),
+        )
+
+    @property
+    def own_linear(self) -> bool:
+        """Whether F.linear uses run through the engine's own linear (runtime/autograd.py):
+        FP8 GEMMs, or half-precision compute meeting fp32 reductions (the GEMM then writes
+        fp32 weight gradients, see [Note: fp32 weight gradients])."""
+        half = self.param_dtype in (torch.bfloat16, torch.float16)
+        return self.fp8_matmul or (half and self.reduce_dtype == torch.float32)
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype uses of a weight stored in `dtype` compute in."""
+        return self.param_dtype or dtype
+
+
+class Encoding:
+    """A gather of one weight sends `send` into a buffer of `dtype`, `world` sends long."""
+
+    __slots__ = ("send", "dtype", "feeds_gemm")
+    decodes = False  # whether the gathered buffer must be decoded before a use reads it
+
+    def __init__(self, send: torch.Tensor, dtype: torch.dtype, feeds_gemm: bool = False) -> None:
+        self.send = send
+        self.dtype = dtype
+        self.feeds_gemm = feeds_gemm  # F.linear uses take the gathered buffer as it came
+
+    def decode_into(self, gathered: torch.Tensor, out: torch.Tensor, geo: ShardGeometry) -> None:
+        raise NotImplementedError(f"{type(self).__name__} gathers the weight itself")
+
+
+class PlainEncoding(Encoding):
+    """The slot itself, or cast on its way into a gather buffer of the compute dtype: the
+    gathered buffer is the padded full weight."""
+
+    __slots__ = ()
+
+
+class FP8Encoding(Encoding):
+    """The packed FP8 slot (payload, then one fp32 scale per `block` elements), dequantized
+    into the compute dtype for each use, or fed as it is to the FP8 GEMM (`feeds_gemm`)."""
+
+    __slots__ = ("block", "fused")
+    decodes = True
+
+    def __init__(self, send: torch.Tensor, block: int, fused: bool, by_row: bool) -> None:
+        super().__init__(send, torch.uint8, feeds_gemm=by_row)
+        self.block = block
+        self.fused = fused  # the Triton dequantization runs here (fp8_triton.available)
+
+    def decode_into(self, gathered: torch.Tensor, out: torch.Tensor, geo: ShardGeometry) -> None:
+        fp8.dequantize_into(gathered, geo.world, geo.slot_numel, out, self.block, fused=self.fused)
+
+
+class FP8Packing:
+    """The packed FP8 slots of every sharded weight, re-quantized from the shards once per
+    step when they changed (see [Note: one version counter] in core/storage.py).
+
+    Block-scaled slots come from one quantization of each whole flat tensor; row-scaled slots
+    (FP8 GEMMs) each from their own rows.
+    """
+
+    def __init__(
+        self,
+        geometries: list[ShardGeometry],
+        by_row: list[bool],
+        params: dict[torch.dtype, torch.Tensor],
+    ) -> None:
+        self.params = params
+        self.blocks = [g.row_numel if row else fp8.BLOCK for g, row in zip(geometries, by_row)]
+        self.slots: list[torch.Tensor] = []
+        self._version: dict[torch.dtype, int] = {}
+        # Per dtype: the block-scaled targets (payloads, scales, block ranges of the flat) and
+        # the row-scaled ones (rows of the flat, payload, scale).
+        self._blocks: dict[torch.dtype, tuple[list, list, list]] = {}
+        self._rows: dict[torch.dtype, list[tuple[torch.Tensor, ...]]] = {}
+        ends: dict[torch.dtype, int] = {}
+        starts = []
+        for geo, block in zip(geometries, self.blocks):
+            start = -(-ends.get(geo.dtype, 0) // 16) * 16  # the scales stay 4-byte aligned
+            ends[geo.dtype] = start + fp8.packed_bytes(geo.slot_numel, block)
+            starts.append(start)
+        packed = {
+            dtype: torch.zeros(n, dtype=torch.uint8, device=params[dtype].device)
+            for dtype, n in ends.items()
+        }
+        for dtype in packed:
+            self._blocks[dtype], self._rows[dtype] = ([], [], []), []
+        for geo, block, row_scaled, start in zip(geometries, self.blocks, by_row, starts):
+            q = fp8.padded(geo.slot_numel, block)
+            slot = packed[geo.dtype][start : start + fp8.packed_bytes(geo.slot_numel, block)]
+            self.slots.append(slot)
+            payload, scale = slot[:q], slot[q:].view(torch.float32)
+            if row_scaled:
+                rows = params[geo.dtype][geo.offset : geo.offset + q].view(-1, block)
+                self._rows[geo.dtype].append((rows, payload, scale))
+                continue
+            first, nblocks = geo.offset // fp8.BLOCK, q // fp8.BLOCK
+            payloads, scales, ranges = self._blocks[geo.dtype]
+            payloads.append(payload)
+            scales.append(scale)
+            ranges.append((first, first + nblocks))
+
+    def refresh(self) -> int:
+        """Re-quantize the flat tensors whose shards changed; return how many were."""
+        done = 0
+        for dtype, flat in self.params.items():
+            if dtype not in self._rows or self._version.get(dtype) == flat._version:
+                continue
+            with torch.no_grad():
+                payloads, scales, ranges = self._blocks[dtype]
+                if payloads:
+                    payload, scale = fp8.quantize(flat.view(-1, fp8.BLOCK))
+                    torch._foreach_copy_(
+                        payloads + scales,
+                        [payload[a:b].reshape(-1) for a, b in ranges]
+                        + [scale[a:b] for a, b in ranges],
+                    )
+                for rows, row_payload, row_scale in self._rows[dtype]:
+                    q, s = fp8.quantize(rows)
+                    row_payload.copy_(q.reshape(-1))
+                    row_scale.copy_(s)
+            self._version[dtype] = flat._version
+            done += 1
+        return done
+
+    def invalidate(self) -> None:
+        """Make the next `refresh` re-quantize everything (the shards changed unseen)."""
+        self._version.clear()
+
+
+def make_encodings(
+    precision: Precision,
+    geometries: list[ShardGeometry],
+    names: list[str],
+    compute: dict[torch.dtype, torch.Tensor],
+    params: dict[torch.dtype, torch.Tensor],
+    device: torch.device,
+) -> tuple[list[Encoding], FP8Packing | None]:
+    """Each weight's encoding, and the FP8 packing they send from (FP8 gathers only)."""
+    if not precision.fp8:
+        encodings: list[Encoding] = []
+        for geo in geometries:
+            slot = geo.slot(compute[geo.dtype])
+            cast = precision.param_dtype is not None and not precision.keep_copy
+            encodings.append(PlainEncoding(slot, precision.param_dtype if cast else slot.dtype))  # type: ignore[arg-type]
+        return encodings, None
+    by_row = [precision.fp8_matmul and fp8.fits_gemm(geo) for geo in geometries]
+    if precision.fp8_matmul:
+        fp8.warn_unfit(names, geometries, by_row)
+    packing = FP8Packing(geometries, by_row, params)
+    fp8_encodings: list[Encoding] = [
+        FP8Encoding(slot, block, fp8_triton.available(device, geo.slot_numel), row)
+        for geo, slot, block, row in zip(geometries, packing.slots, packing.blocks, by_row)
+    ]
+    return fp8_encodings, packing

@@ -1,0 +1,1 @@
+"""The engine of one wrapped module: a facade (engine.py) over its parts."""

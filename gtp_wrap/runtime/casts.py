@@ -1,0 +1,85 @@
+"""Compute copies: the kept compute-dtype copy of the shards, the packed FP8 slots, and the
+compute-dtype copies of replicated parameters, refreshed at most once per step.
+
+[Note: stale compute copies] A copy is re-made when its parameters' version counter moved,
+which every in-place update does, except fused optimizers (AdamW(fused=True) writes its
+parameters without moving it). So every optimizer step that holds an engine's parameters also
+marks its copies stale, through process-wide optimizer hooks installed at the first wrap; a
+replayed CUDA graph, which runs no Python, marks them itself (graphs/replay.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ..core.storage import FlatStorage
+from ..core.weight import CastWeight
+from ..precision.encoding import FP8Packing
+from .stats import Stats
+
+_live: weakref.WeakSet[Casts] = weakref.WeakSet()
+_hook_installed = False
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for casts in list(_live):
+        casts.invalidate(stepped)
+
+
+def install_optimizer_hook() -> None:
+    """The process-wide optimizer-step hook that marks stepped parameters' copies stale (once,
+    at the first wrap; see [Note: stale compute copies])."""
+    global _hook_installed
+    if not _hook_installed:
+        register_optimizer_step_post_hook(_after_optimizer_step)
+        _hook_installed = True
+
+
+class Casts:
+    """The compute copies of one engine."""
+
+    def __init__(
+        self,
+        storage: FlatStorage,
+        packing: FP8Packing | None,
+        cast_weights: list[CastWeight],
+        sharded: list[nn.Parameter],
+        stats: Stats,
+        active: bool,
+    ) -> None:
+        self.storage = storage
+        self.packing = packing
+        self.cast_weights = cast_weights
+        self._sharded = {id(p) for p in sharded}
+        self.stats = stats
+        self.active = active  # whether anything is cast at all (a compute dtype, or FP8)
+        _live.add(self)
+
+    def refresh(self) -> None:
+        """Re-make the copies whose parameters changed (as each pass begins)."""
+        if not self.active:
+            return
+        self.stats.weight_casts += self.storage.refresh()
+        if self.packing is not None:
+            self.stats.weight_casts += self.packing.refresh()
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for w in self.cast_weights:
+                w.refresh()
+
+    def invalidate(self, stepped: set[int] | None = None) -> None:
+        """Re-make at the next pass the copies of the parameters whose ids are in `stepped`
+        (None: all of them): they may have changed without their version counters moving (a
+        fused optimizer, a CUDA-graph replay). The shard copies go together."""
+        if stepped is None or not self._sharded.isdisjoint(stepped):
+            self.storage.invalidate()
+            if self.packing is not None:
+                self.packing.invalidate()
+        for w in self.cast_weights:
+            if stepped is None or id(w.param) in stepped:
+                w.cast_version = -1

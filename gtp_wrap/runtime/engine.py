@@ -1,0 +1,290 @@
+"""The GTP engine of one wrapped module: a facade over its parts, in the order data flows.
+
+wrap (core/build.py: storage, parameters) -> forward gather along the chain, a group of weights
+per collective (gather.py, chain.py) -> compute (uses.py, autograd.py) -> backward
+rematerialize: saved weights are re-gathered, never kept (gather.py) -> reduce-scatter of the
+weight gradients, a group per collective, finalized one group later into `.grad` (reduce.py)
+-> end of backward: last finalize, replicated all-reduce (replicated.py), chain record
+(passes.py), users' gradient hooks.
+
+The engine opens and closes the passes (module hooks and autograd's end-of-backward callback)
+and answers the narrow runtime interface its parameters and autograd functions call:
+`intercepting`, `use` (core/weight.Runtime), `ensure_backward`, `gather`, `full_weight`,
+`reduce_grad` (autograd.GradRuntime). graphs/ drives it through the public methods below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from ..comm.agreement import Agreement
+from ..comm.comm import Comm
+from ..config.plan import ParameterPlan
+from ..config.policy import GTPPolicy
+from ..core.build import build, check_ranks_agree, install_process_hooks
+from ..core.weight import ShardedWeight
+from ..errors import GraphCaptureError, WrapError
+from ..mesh import GTPMesh
+from ..precision.encoding import Precision
+from .casts import Casts, install_optimizer_hook
+from .chain import PassKind, PassState
+from .gather import Gatherer
+from .passes import Passes
+from .reduce import GradReducer
+from .replicated import ReplicatedGrads
+from .stats import Stats
+from .uses import Uses
+
+_engine_ids = itertools.count()
+
+
+class GTPEngine:
+    """Owns the parts (storage, passes, gathers, gradient reduction, casts) of one module."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        plans: list[ParameterPlan],
+        policy: GTPPolicy,
+        mesh: GTPMesh,
+        device: torch.device,
+    ) -> None:
+        install_process_hooks()
+        install_optimizer_hook()
+        self.policy, self.mesh, self.device = policy, mesh, device
+        self.step = 0  # finished backward passes of the model
+        self.stats = Stats()
+        timeout = policy.collective_timeout_s
+        self.agreement = Agreement(mesh.world_size, timeout, tag=str(next(_engine_ids)))
+        check_ranks_agree(plans, policy, self.agreement)
+        self.precision = Precision.resolve(policy, mesh.gtp.size, device)
+        self.reduce_dtype = self.precision.reduce_dtype
+        average = policy.loss_reduction == "mean"
+        self.comm = Comm(mesh, timeout, average, step=lambda: self.step)
+        if policy.collectives == "copy_engine" and mesh.gtp.size > 1:
+            self.comm.use_copy_engine(self.agreement, device, policy.group_numel)
+        built = build(root, plans, policy, self.precision, mesh, self.comm, self, device)
+        self.weights = built.weights
+        self.passes = Passes(
+            self.weights, self.agreement, policy.group_numel, mesh.gtp.size, lambda: self.step
+        )
+        self.gatherer = Gatherer(self.weights, self.comm, self.passes, self.stats,
+                                 self.precision, policy.prefetch_depth, self.ensure_backward,
+                                 device)  # fmt: skip
+        self.reducer = GradReducer(self.comm, self.passes, self.stats, mesh.dp,
+                                   policy.group_numel, self.reduce_dtype, self.ensure_backward,
+                                   device)  # fmt: skip
+        active = self.precision.param_dtype is not None or self.precision.fp8
+        self.casts = Casts(built.storage, built.packing, built.cast_weights,
+                           [w.param for w in self.weights], self.stats, active)  # fmt: skip
+        self.replicated = ReplicatedGrads(
+            built.replicated, built.replicated_names, self.comm, mesh.world
+        )
+        if mesh.world_size > 1:
+            self.replicated.register(self.ensure_backward)
+        self.uses = Uses(self, self.passes, self.gatherer, self.stats, self.precision)
+        # The runtime interface on the hot path, bound once: no facade hop per use.
+        self.intercepting = self.passes.intercepting
+        self.use = self.uses.use
+        self.full_weight = self.uses.full_weight
+        # [Note: buffers between steps] Between eager steps the model's gather and staging
+        # buffers go back to the allocator. Kept, they would sit under the optimizer step,
+        # where AdamW's temporaries put the memory peak at small batch (0.2 GiB at 1.36B: an
+        # embedding-sized buffer and a few layers'); on the GPU the caching allocator serves
+        # the next step's buffers from the same cached blocks. A graph_step sets keep_buffers
+        # for good: from its warm-up on, the buffers its capture will read must exist and stay.
+        self.keep_buffers = False
+        root.register_forward_pre_hook(self.open_forward, with_kwargs=True)
+        root.register_forward_hook(self.close_forward, always_call=True)
+        self._hook_owners(root, plans)
+
+    def __deepcopy__(self, memo: dict) -> GTPEngine:
+        raise WrapError(
+            "a wrapped module cannot be deep-copied: its engine holds process groups, streams "
+            "and collective state. For an EMA or teacher copy, deep-copy the module before "
+            "GTPWrap and wrap the copy too, or load gtp_wrap.full_state_dict(model) into a "
+            "fresh unwrapped model"
+        )
+
+    def _hook_owners(self, root: nn.Module, plans: list[ParameterPlan]) -> None:
+        """A submodule called on its own (`model.embed(idx)` in generation code) opens a pass
+        too, so its weights are gathered rather than silently used as local shards."""
+        opened: list[bool] = []
+        names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+
+        def pre(module: nn.Module, args: Any, kwargs: dict) -> Any:
+            # Inside backward (a checkpoint recompute) uses are intercepted already.
+            opened.append(not self.passes.stack and torch._C._current_graph_task_id() == -1)
+            if not opened[-1]:
+                return None
+            return self.open_forward(module, args, kwargs, opener=names[id(module)])
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            if opened and opened.pop():
+                self.close_forward(module, args, output)
+
+        owners = {id(m): m for plan in plans for m, _ in plan.owners if m is not root}
+        for module in owners.values():
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_hook(post, always_call=True)
+
+    # ---- the pass lifecycle -------------------------------------------------------------
+
+    def open_forward(
+        self, module: nn.Module, args: Any, kwargs: dict, opener: str | None = None
+    ) -> Any:
+        """Open a forward pass of `module` (its forward pre-hook); returns converted inputs."""
+        self.close_abandoned_backward()  # a forward inside backward nests in its pass
+        grad = torch.is_grad_enabled()
+        if grad and self.passes.scope is None and self.mesh.world_size > 1:
+            self.replicated.hook_unfrozen()
+        self.casts.refresh()
+        state = self.passes.begin(PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD, opener)
+        if grad:
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                self.gatherer.pack, self.gatherer.unpack
+            )
+            hooks.__enter__()
+            state.exit_hooks = hooks
+        dtype = self.precision.param_dtype
+        if dtype is not None:  # floating inputs follow the weights' compute dtype
+            return tree_map_only(
+                torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
+            )
+        return None
+
+    def close_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Close the forward pass `open_forward` opened (its always-called forward hook)."""
+        if not self.passes.stack:  # an earlier pre-hook raised before ours opened the pass
+            return
+        state = self.passes.stack[-1]
+        if state.exit_hooks is not None:
+            state.exit_hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
+        # always_call hooks run inside forward's `except` clause when forward raised.
+        self._end_pass(failed=sys.exc_info()[1] is not None)
+
+    def ensure_backward(self) -> None:
+        """Open the backward pass, unless one is open: called by everything backward runs of
+        ours (autograd functions, saved-tensor unpacks, replicated-grad hooks)."""
+        if self.passes.in_backward():
+            return
+        self.casts.refresh()
+        self.passes.begin(PassKind.BACKWARD)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        model_pass = self.passes.stack[-1].scope is None
+        self.reducer.flush()
+        if model_pass and self.replicated.sync and self.mesh.world_size > 1:
+            with torch._C.DisableTorchFunctionSubclass():
+                self.replicated.finish()
+        self._end_pass()
+        if model_pass:
+            self.step += 1
+            if not self.keep_buffers:
+                self.gatherer.eager.release_free()
+                self.reducer.eager.clear()
+        self.reducer.end_backward(run_hooks=model_pass)
+
+    def _end_pass(self, failed: bool = False) -> None:
+        """Close the current pass: drain its gathers, and record its chain unless it failed."""
+        state = self.passes.pop()
+        if failed:
+            with contextlib.suppress(Exception):
+                self.gatherer.drain(state)
+            return
+        self.gatherer.drain(state)
+        self.passes.record(state)
+
+    def close_abandoned_backward(self) -> None:
+        """Drop a backward pass whose backward raised (see `Passes.abandoned`), with what it
+        left in flight; called where a new pass or a capture starts."""
+        if self.passes.abandoned():
+            self.reducer.abandon()
+            self.replicated.abandon()
+            self._end_pass(failed=True)
+
+    # ---- the runtime interface (autograd.GradRuntime) -----------------------------------
+
+    def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
+        return self.gatherer.gather(w, packed)
+
+    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor) -> None:
+        self.reducer.reduce_grad(w, grad)
+
+    # ---- for graphs/ ----------------------------------------------------------------------
+
+    def current_pass(self) -> PassState | None:
+        """The innermost open pass, if any (a graphed region replays once per pass)."""
+        return self.passes.stack[-1] if self.passes.stack else None
+
+    def in_pass(self) -> bool:
+        """Whether a forward or backward of the model is running."""
+        self.close_abandoned_backward()
+        return bool(self.passes.stack)
+
+    @contextlib.contextmanager
+    def scoped(self, name: str) -> Iterator[None]:
+        """Passes opened inside run in scope `name` (a graphed region being captured): their
+        own chains, and the graphed regions' buffers (see [Note: graphed buffers]).
+
+        The autograd thread reads the scope too (the region's backward opens its pass there);
+        that is safe because the capturing thread waits inside `autograd.grad` meanwhile.
+        """
+        g, r = self.gatherer, self.reducer
+        outer = (self.passes.scope, g.pool, r.staging)
+        self.passes.scope, g.pool, r.staging = name, g.graphed, r.graphed
+        try:
+            yield
+        finally:
+            self.passes.scope, g.pool, r.staging = outer
+
+    def claim_region(self, name: str) -> None:
+        """The weights the passes of region `name` used get their gradients from its replays
+        alone (a reduce of one outside the region is refused)."""
+        used = [self.weights[i] for i in sorted(self.passes.region_weights(name))]
+        for w in used:
+            if w.region is not None:
+                raise GraphCaptureError(
+                    f"'{w.fqn}' is used by graphed regions {w.region} and {name}; each region's "
+                    "weights must be its own (graph a module that holds both uses)"
+                )
+        for w in used:
+            w.region = name
+
+    def region_landed(self, weights: Iterable[ShardedWeight]) -> None:
+        """A region's replay wrote these weights' `.grad`: their hooks run when the model's
+        backward ends, with the others'."""
+        self.reducer.region_landed(weights)
+
+    def fence(self) -> None:
+        """Make the current stream wait for every collective in flight (their results stay for
+        their consumers), so a graph replayed next never runs beside them on the same
+        communicator."""
+        pending = [gather.pending for state in self.passes.stack for gather in state.inflight]
+        for p in pending + self.reducer.in_flight() + self.replicated.in_flight():
+            self.comm.wait(p, consume=False)
+
+    def invalidate_casts(self) -> None:
+        """The shards changed unseen (a replayed optimizer step): re-cast at the next pass."""
+        self.casts.invalidate()
+
+    # ---- for the public API ---------------------------------------------------------------
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.replicated.no_sync()
+
+    def gather_bytes(self) -> int:
+        """Memory held by the gather buffers of the model and of its graphed regions."""
+        return self.gatherer.total_bytes()
+
+    def reset_stats(self) -> None:
+        self.stats.reset(peak_gathered_bytes=self.gather_bytes())

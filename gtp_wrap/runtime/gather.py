@@ -1,0 +1,180 @@
+"""Gathers: the full weight for each use of the current pass, prefetched along its chain, and
+re-gathered in backward for what autograd saved (rematerialization).
+
+The first use of a chain group issues the next group's gathers (`prefetch_depth` groups
+ahead); only the chain head blocks. A use the chain did not expect marks the pass diverged: the
+gathers in flight are drained (every rank issued the same ones, because they followed the same
+chain) and the pass gathers synchronously and records anew. Autograd never keeps a gathered
+weight between forward and backward: what it saves of one is packed as a `SavedWeightView`
+and gathered again when backward unpacks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..comm.comm import Comm
+from ..core.weight import ShardedWeight
+from ..precision.encoding import Precision
+from .buffers import GatherBufferPool
+from .chain import Gather, PassState
+from .passes import Passes
+from .stats import Stats
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedWeightView:
+    """What autograd keeps instead of a gathered weight: enough to re-gather it in backward."""
+
+    weight: ShardedWeight
+    size: torch.Size
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+def describe_group(weights: list[ShardedWeight], action: str, one: str, context: str) -> str:
+    """The error description of a collective over `weights`: a weight's own (`one`, made at
+    wrap time), or for a group its first and last weights; Comm fills in the step."""
+    if len(weights) == 1:
+        return one
+    first, last = weights[0].fqn, weights[-1].fqn
+    return f"{action} '{first}' ... '{last}' ({len(weights)} weights, {context}step {{step}})"
+
+
+class Gatherer:
+    """Issues, prefetches and completes the gathers of one engine's passes."""
+
+    def __init__(
+        self,
+        weights: list[ShardedWeight],
+        comm: Comm,
+        passes: Passes,
+        stats: Stats,
+        precision: Precision,
+        prefetch_depth: int,
+        ensure_backward: Callable[[], None],
+        device: torch.device,
+    ) -> None:
+        self.weights = weights
+        self.comm = comm
+        self.passes = passes
+        self.stats = stats
+        self.precision = precision
+        self.depth = prefetch_depth
+        self.ensure_backward = ensure_backward
+        self.device = device
+        self.local = comm.gtp.size == 1  # a group of one reads its local copy
+        # [Note: graphed buffers] Graphed regions gather into buffers of their own. A graph
+        # keeps the addresses it was captured with, so handing one of its buffers to an eager
+        # pass would let a replay overwrite it. Replays never overlap each other, so all
+        # regions share one pool.
+        self.eager = GatherBufferPool(device)
+        self.graphed = GatherBufferPool(device)
+        self.pool = self.eager
+
+    def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
+        """The logical full weight of `w`, gathered for one use of the current pass (with
+        `packed`, the gathered FP8 slots as they came, for the FP8 GEMM)."""
+        if self.local:
+            return w.local
+        state = self.passes.stack[-1]
+        if state.expects(w.index):
+            position = state.cursor
+            state.cursor += 1
+            blocking = not state.inflight  # the chain head: its group is issued now
+            if blocking:
+                self._issue_group(state, state.chain.rest_of_group(position))  # type: ignore[union-attr]
+            gather = state.inflight.popleft()
+            while (group := state.next_to_prefetch(self.depth)) is not None:
+                self._issue_group(state, group)
+        else:
+            if state.chain is not None and not state.diverged:
+                state.diverged = True
+                self.drain(state)
+            (gather,) = self._issue(state, [w])
+            blocking = True
+        state.recorded.append(w.index)
+        return self._complete(gather, state, blocking, packed)
+
+    def _issue_group(self, state: PassState, positions: range) -> None:
+        """Issue the gathers of these consecutive chain positions as one collective."""
+        order = state.chain.order  # type: ignore[union-attr]
+        state.inflight.extend(self._issue(state, [self.weights[order[p]] for p in positions]))
+
+    def _issue(self, state: PassState, weights: list[ShardedWeight]) -> list[Gather]:
+        """Gather `weights` in one collective."""
+        bufs, sends = [], []
+        for w in weights:
+            enc = w.encoding  # FP8 slots are dequantized when consumed
+            buf = self.pool.reserve(w.geometry.world * enc.send.numel(), enc.dtype)
+            buf.owner = w
+            bufs.append(buf)
+            sends.append(enc.send)
+            self.stats.bytes_gathered += buf.nbytes
+        context = f"{state.kind.value} pass, "
+        what = describe_group(weights, "all-gather of", weights[0].what_gather, context)
+        pendings = self.comm.all_gather([b.tensor for b in bufs], sends, what, context)
+        self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.total_bytes())
+        self.stats.gathers += len(weights)
+        return [Gather(w, buf, pending) for w, buf, pending in zip(weights, bufs, pendings)]
+
+    def _complete(
+        self, gather: Gather, state: PassState, blocking: bool, packed: bool
+    ) -> torch.Tensor:
+        self.comm.wait(gather.pending)
+        buf, w = gather.buffer, gather.weight
+        geo = w.geometry
+        if w.encoding.decodes and not packed:
+            out = self.pool.reserve(geo.gathered_numel, self.precision.compute_dtype(geo.dtype))
+            out.owner = w
+            w.encoding.decode_into(buf.tensor, out.tensor, geo)
+            self.pool.hand_out(buf)
+            buf = out
+        self.pool.hand_out(buf)
+        full = buf.tensor if packed else geo.full_view(buf.tensor)
+        if blocking:
+            self.stats.blocking_gathers += 1
+            key = state.kind.value
+            self.stats.blocking_by_pass[key] = self.stats.blocking_by_pass.get(key, 0) + 1
+        else:
+            self.stats.prefetched_gathers += 1
+        return full
+
+    def drain(self, state: PassState) -> None:
+        """Complete the gathers still in flight so their buffers return to the pool (they
+        were issued ahead, so they count as prefetched, though no use reads them)."""
+        while state.inflight:
+            gather = state.inflight.popleft()
+            self.comm.wait(gather.pending)
+            self.pool.hand_out(gather.buffer)
+            self.stats.prefetched_gathers += 1
+
+    # ---- backward rematerialize ---------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """Saved-tensor pack hook of a forward pass: a view of a gathered weight is saved as
+        what re-gathers it; anything else as itself."""
+        if t.layout is not torch.strided or t.device != self.device or t.is_meta:
+            return t
+        try:
+            buf = self.pool.lookup(t)
+        except RuntimeError:  # a tensor without storage (a wrapper subclass)
+            return t
+        if buf is None or buf.owner is None:
+            return t
+        return SavedWeightView(buf.owner, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, SavedWeightView):
+            return saved
+        self.ensure_backward()
+        full = self.gather(saved.weight)
+        return full.as_strided(saved.size, saved.stride, saved.storage_offset)
+
+    def total_bytes(self) -> int:
+        """Memory held by the gather buffers of the model and of its graphed regions."""
+        return self.eager.total_bytes + self.graphed.total_bytes

@@ -1,0 +1,105 @@
+"""The passes of one engine: which are open, and the chains they follow and record.
+
+A pass is a forward with grad, a forward without grad, or a backward. Passes nest (a forward
+called inside backward, from a hook or a checkpoint recompute), so they form a stack. Each
+pass follows the chain its kind recorded last (runtime/chain.py); one that diverged records
+anew when it ends, after the ranks agree on what it recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..comm.agreement import Agreement, first_difference
+from ..core.parameter import OpenPasses
+from ..core.weight import ShardedWeight
+from ..errors import ChainMismatchError
+from .chain import Chain, PassKind, PassState
+
+
+class Passes:
+    """The pass stack and the recorded chains of one engine."""
+
+    def __init__(
+        self,
+        weights: list[ShardedWeight],
+        agreement: Agreement,
+        group_numel: int,
+        gtp_size: int,
+        step: Callable[[], int],
+    ) -> None:
+        self.stack: list[PassState] = []
+        # Chains per pass kind, scope and opener (PassState.key): the scope is None for the
+        # model's own passes and a name for each CUDA-graphed region, whose passes run
+        # standalone at capture and never mix with ours.
+        self.chains: dict[tuple[PassKind, str | None, str | None], Chain] = {}
+        self.scope: str | None = None
+        self._weights = weights
+        self._agreement = agreement
+        self._group_numel = group_numel
+        self._records = gtp_size > 1  # a group of one gathers nothing, so it agrees on nothing
+        self._step = step
+
+    def intercepting(self) -> bool:
+        """Whether uses of managed parameters see full weights now. A pure query: it runs on
+        every torch function that takes one, so it never changes state."""
+        if torch._C._current_graph_task_id() != -1:
+            return True
+        stack = self.stack
+        # A backward pass open outside backward was abandoned (see `abandoned`).
+        return bool(stack) and (stack[-1].kind is not PassKind.BACKWARD or len(stack) > 1)
+
+    def abandoned(self) -> bool:
+        """Whether the top pass is a backward still open outside backward: its backward raised,
+        so autograd skipped the end-of-backward callback. Inside backward (a forward called
+        from a hook) the pass is live."""
+        return (
+            bool(self.stack)
+            and self.stack[-1].kind is PassKind.BACKWARD
+            and torch._C._current_graph_task_id() == -1
+        )
+
+    def in_backward(self) -> bool:
+        return bool(self.stack) and self.stack[-1].kind is PassKind.BACKWARD
+
+    def begin(self, kind: PassKind, opener: str | None = None) -> PassState:
+        state = PassState(kind, self.scope, None, opener=opener)
+        state.chain = self.chains.get(state.key)
+        self.stack.append(state)
+        OpenPasses.count += 1
+        return state
+
+    def pop(self) -> PassState:
+        OpenPasses.count -= 1
+        return self.stack.pop()
+
+    def record(self, state: PassState) -> None:
+        """Keep the chain a finished pass used, if it changed, once every rank used the same.
+
+        A pass that failed records nothing (the engine does not call this): its uses stopped
+        part-way, and its peers learn of the failure by timing out at their own check.
+        """
+        if state.followed_chain() or not self._records:
+            return
+        purpose = f"chain-{state.kind.value}-{state.scope}-{state.opener}"
+        diff = first_difference(self._agreement.exchange(purpose, state.recorded))
+        if diff is not None:
+            pos, entries = diff
+            names = [self._weights[e].fqn if e is not None else "<end of pass>" for e in entries]
+            per_rank = ", ".join(f"rank {r}: '{n}'" for r, n in enumerate(names))
+            raise ChainMismatchError(
+                f"ranks used their sharded weights in different orders in the {state.kind.value}"
+                f" pass of step {self._step()}: use #{pos} is {per_rank}. GTP gathers weights "
+                "collectively, so every rank must run the same weights in the same order "
+                "(make data-dependent branches agree across ranks)"
+            )
+        numels = [w.geometry.gathered_numel for w in self._weights]
+        self.chains[state.key] = Chain.build(state.recorded, numels, self._group_numel)
+
+    def region_weights(self, scope: str) -> set[int]:
+        """The weights (indices) the passes of a graphed region's scope use."""
+        kinds = (PassKind.FORWARD, PassKind.BACKWARD)
+        chains = [self.chains.get((kind, scope, None)) for kind in kinds]
+        return {index for chain in chains if chain is not None for index in chain.order}

@@ -1,0 +1,197 @@
+"""Weight gradients: reduce-scattered over the GTP group in groups, averaged over dp, landed in
+each shard's `.grad`, and handed to users' hooks; the sharded sibling of runtime/replicated.py.
+
+Each use's full weight gradient joins the collecting group; a group is issued as one
+reduce-scatter once it holds `group_numel` elements, and finalized when the next group is issued
+(so its collective runs under that group's backward compute) or when backward ends. Each
+weight's `GradState` (core/weight.py) is advanced here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..comm.comm import Comm, Pending
+from ..core.weight import GradState, ShardedWeight
+from ..errors import GraphCaptureError
+from ..mesh import MeshAxis
+from .gather import describe_group
+from .passes import Passes
+from .stats import Stats
+
+
+@dataclasses.dataclass
+class PendingGrad:
+    """One weight gradient in a reduce-scatter group."""
+
+    weight: ShardedWeight
+    out: torch.Tensor  # the slot-sized result: the new gradient itself, or a staging buffer
+    direct: bool  # whether `out` becomes the parameter's grad (it had none yet)
+
+
+@dataclasses.dataclass
+class ReduceGroup:
+    """Weight gradients reduce-scattered as one collective, grouped the way gathers are."""
+
+    grads: list[PendingGrad] = dataclasses.field(default_factory=list)
+    fulls: list[torch.Tensor] = dataclasses.field(default_factory=list)  # inputs, until issued
+    numel: int = 0
+    pending: Pending | None = None
+
+
+class GradReducer:
+    """Reduce-scatters, finalizes and lands the weight gradients of one engine."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        passes: Passes,
+        stats: Stats,
+        dp: MeshAxis,
+        group_numel: int,
+        reduce_dtype: torch.dtype | None,
+        ensure_backward: Callable[[], None],
+        device: torch.device,
+    ) -> None:
+        self.comm = comm
+        self.passes = passes
+        self.stats = stats
+        self.dp = dp
+        self.group_numel = group_numel
+        self.reduce_dtype = reduce_dtype
+        self.ensure_backward = ensure_backward
+        self.device = device
+        self._collecting = ReduceGroup()  # gradients not yet issued
+        self._reducing: ReduceGroup | None = None  # issued, not yet finalized
+        self._landed: list[ShardedWeight] = []  # weights whose `.grad` this backward wrote
+        # Staging buffers by (numel, dtype); graphed regions keep theirs apart, as gathers do
+        # (see [Note: graphed buffers]).
+        self.eager: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.graphed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.staging = self.eager
+
+    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor) -> None:
+        """Collect one use's full weight gradient for its group's reduce-scatter."""
+        self.ensure_backward()
+        if w.region is not None and self.passes.scope is None:
+            raise GraphCaptureError(
+                f"'{w.fqn}' is used inside graphed region {w.region} and also outside it, where "
+                "its gradient would race the region's replay: graph a module that holds every "
+                "use of its weights, or leave it eager"
+            )
+        geo = w.geometry
+        with torch._C.DisableTorchFunctionSubclass():
+            dtype = self.reduce_dtype or grad.dtype
+            # A weight used twice has a second gradient; only the first may become `.grad`.
+            direct = (
+                dtype == geo.dtype
+                and w.param.grad is None
+                and w.grad_state is not GradState.PENDING
+            )
+            out = (
+                torch.empty(geo.slot_numel, dtype=dtype, device=self.device)
+                if direct
+                else self._take_staging(geo.slot_numel, dtype)
+            )
+            full = geo.padded_rows_view(grad.to(dtype))
+            w.grad_collected()
+            group = self._collecting
+            group.grads.append(PendingGrad(w, out, direct))
+            group.fulls.append(full)
+            group.numel += full.numel()
+            self.stats.bytes_reduced += full.numel() * full.element_size()
+            if group.numel >= self.group_numel:
+                self._issue()
+
+    def _issue(self) -> None:
+        """Reduce-scatter the collected gradients as one collective; finalize the previous
+        group, whose collective has had this group's backward compute to run under."""
+        group, self._collecting = self._collecting, ReduceGroup()
+        if not group.grads:
+            return
+        weights = [g.weight for g in group.grads]
+        what = describe_group(
+            weights, "reduce-scatter of the gradients of", weights[0].what_reduce, ""
+        )
+        group.pending = self.comm.reduce_scatter([g.out for g in group.grads], group.fulls, what)
+        group.fulls = []  # the collective holds its inputs until it completes
+        self.stats.reduce_scatters += len(weights)
+        prev, self._reducing = self._reducing, group
+        if prev is not None:
+            self._finalize(prev)
+
+    def _take_staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self.staging.setdefault((numel, dtype), [])
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def _finalize(self, group: ReduceGroup) -> None:
+        """Complete a group's reduce-scatter, reduce over dp, and land each gradient in its
+        shard's grad."""
+        self.comm.wait(group.pending)  # type: ignore[arg-type]
+        for g in group.grads:
+            w = g.weight
+            self.comm.wait(self.comm.all_reduce(g.out, self.dp, w.what_dp))
+            param = w.param
+            local = w.geometry.local_of_slot(g.out)
+            w.grad_landed()
+            if w.grad_state is GradState.LANDED:  # its last pending gradient
+                self._landed.append(w)
+            if g.direct:
+                param.grad = local
+                continue
+            if param.grad is None:
+                param.grad = local.to(w.geometry.dtype, copy=True)
+            else:
+                param.grad.add_(local)
+            self.staging[(w.geometry.slot_numel, g.out.dtype)].append(g.out)
+
+    def flush(self) -> None:
+        """At the end of backward: issue what is still collecting and finalize everything."""
+        with torch._C.DisableTorchFunctionSubclass():
+            self._issue()
+            if self._reducing is not None:
+                self._finalize(self._reducing)
+                self._reducing = None
+
+    def region_landed(self, weights: Iterable[ShardedWeight]) -> None:
+        """A graphed region's replay wrote these weights' `.grad`."""
+        for w in weights:
+            w.region_grad_landed()
+            self._landed.append(w)
+
+    def end_backward(self, run_hooks: bool) -> None:
+        """Return every landed weight to `NONE`, first running its users' hooks if asked (the
+        model's own backward; a graphed region's warm-up and capture leave no trace)."""
+        landed, self._landed = self._landed, []
+        # Still inside autograd's graph task, where a sharded parameter would read as its
+        # gathered weight: the hooks see the shards, as outside backward.
+        with torch._C.DisableTorchFunctionSubclass():
+            for w in landed:
+                w.backward_ended()
+                if run_hooks and w.grad_hooks:
+                    for hook in list(w.grad_hooks.values()):
+                        hook(w.param)
+
+    def abandon(self) -> None:
+        """Forget a backward that raised: its collectives in flight and its pending grads."""
+        for group in (self._collecting, self._reducing):
+            if group is None:
+                continue
+            if group.pending is not None:
+                self.comm.abandon(group.pending)
+            for g in group.grads:
+                g.weight.abandon_grads()
+        for w in self._landed:
+            w.abandon_grads()
+        self._collecting, self._reducing, self._landed = ReduceGroup(), None, []
+
+    def in_flight(self) -> list[Pending]:
+        """The reduce-scatter in flight, if any (for a fence before a graph replay)."""
+        if self._reducing is not None and self._reducing.pending is not None:
+            return [self._reducing.pending]
+        return []
