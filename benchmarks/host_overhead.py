@@ -1,6 +1,7 @@
 """Host time the engine adds per weight use, on CPU, with weights too small to cost anything else.
 
     python benchmarks/host_overhead.py [--weights 16] [--width 64] [--steps 100] [--out f.json]
+    python benchmarks/host_overhead.py --callgrind [--steps 40]     # instructions, world of 1
 
 A stack of `--weights` tiny `nn.Linear` layers runs forward and backward with and without
 GTPWrap, in a world of 1 (the engine's Python path alone: no collective is issued) and of 2
@@ -8,19 +9,28 @@ spawned gloo ranks (the path with its gathers and reduce-scatters issued). Two p
 (the default) and bf16 compute over fp32 masters; both gather one weight per collective
 (`group_numel: 0`), so each use walks the whole per-use path.
 
+`--callgrind` counts instructions instead (valgrind's callgrind, world of 1): the same
+count for the same code on every run, where CPU time on a shared 2-core machine moved by +-30 %
+between runs. Each policy runs twice under valgrind, with `--steps` and twice as many steps;
+the difference is the steps' own count, without Python's and torch's start-up.
+
 Note: the figure is the main thread's CPU time (`time.thread_time`), not wall time. Gloo moves
 data on threads of its own and the main thread sleeps while it waits, so CPU time counts what
 the engine's Python and the ops it dispatches cost, and not how long the peer or the loopback
 took. "Per use" divides the step's extra time by two uses per weight: its forward use and its
-re-gather in backward. Each figure is the median over rounds of the mean over `--steps` steps.
+re-gather in backward. Each figure is the fastest of `--rounds` rounds of `--steps` steps, with
+the garbage collector held off inside a round (as `timeit` does).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import gc
 import json
 import os
-import statistics
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,18 +56,21 @@ def _model(weights: int, width: int) -> nn.Module:
 
 
 def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> float:
-    """Median over rounds of the main thread's CPU time per forward + backward step."""
+    """The fastest round's main-thread CPU time per forward + backward step."""
     for _ in range(5):  # the first passes record chains and make buffers
         model(x).sum().backward()
         model.zero_grad(set_to_none=True)
     per_round = []
     for _ in range(rounds):
+        gc.collect()
+        gc.disable()  # a collection landing in one round would be most of its noise
         start = time.thread_time()
         for _ in range(steps):
             model(x).sum().backward()
             model.zero_grad(set_to_none=True)
         per_round.append((time.thread_time() - start) / steps * 1e6)
-    return statistics.median(per_round)
+        gc.enable()
+    return min(per_round)
 
 
 def measure(weights: int, width: int, steps: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -79,6 +92,44 @@ def measure(weights: int, width: int, steps: int, rounds: int) -> dict[str, dict
     return out
 
 
+def _run_steps(policy: str, steps: int, weights: int, width: int) -> None:
+    """Wrap the stack at world 1 and run `steps` steps after the warm-up (under valgrind)."""
+    torch.set_num_threads(1)
+    model = GTPWrap(_model(weights, width), POLICIES[policy])
+    x = torch.randn(4, width)
+    for _ in range(5 + steps):
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+
+def _instructions(policy: str, steps: int, args: argparse.Namespace) -> int:
+    cmd = [
+        "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+        os.path.abspath(__file__), "--run-steps", str(steps), "--policy", policy,
+        "--weights", str(args.weights), "--width", str(args.width),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if found is None:
+        raise RuntimeError(f"no instruction count in valgrind's output:\n{done.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def count_instructions(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Per policy: instructions per step and per weight use, from runs of N and 2N steps."""
+    runs = [(policy, n) for policy in POLICIES for n in (args.steps, 2 * args.steps)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        counts = dict(zip(runs, pool.map(lambda r: _instructions(*r, args), runs)))
+    out = {}
+    for policy in POLICIES:
+        per_step = (counts[policy, 2 * args.steps] - counts[policy, args.steps]) / args.steps
+        out[policy] = {
+            "instructions_per_step": round(per_step),
+            "instructions_per_use": round(per_step / (2 * args.weights)),
+        }
+    return out
+
+
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -96,9 +147,24 @@ def main() -> None:
     parser.add_argument("--weights", type=int, default=16)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--callgrind", action="store_true", help="count instructions instead")
+    parser.add_argument("--run-steps", type=int, help=argparse.SUPPRESS)  # one valgrind run
+    parser.add_argument("--policy", choices=list(POLICIES), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.run_steps is not None:
+        _run_steps(args.policy, args.run_steps, args.weights, args.width)
+        return
+    if args.callgrind:
+        counted = count_instructions(args)
+        for policy, r in counted.items():
+            print(f"world1 {policy:<6} {r['instructions_per_step']:>14,} instructions/step"
+                  f" {r['instructions_per_use']:>10,} /use")  # fmt: skip
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"callgrind_world1": counted, "args": vars(args)}, f, indent=1)
+        return
     torch.set_num_threads(1)
     results = {"world1": measure(args.weights, args.width, args.steps, args.rounds)}
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,10 +35,10 @@ from trace_events import intervals, is_barrier, is_gemm, is_nccl, load_gpu_event
 import gtp_wrap
 from gtp_wrap.core.parameter import GTPParameter, is_use
 from gtp_wrap.precision import fp8
-from gtp_wrap.runtime import autograd
-from gtp_wrap.runtime.autograd import ShardedLinear
+from gtp_wrap.runtime import uses
 from gtp_wrap.runtime.gather import Gatherer
 from gtp_wrap.runtime.reduce import GradReducer
+from gtp_wrap.runtime.uses import ShardedLinear
 
 
 class HookTimer:
@@ -69,8 +69,8 @@ class HookTimer:
         for cls, name in ((Gatherer, "pack"), (Gatherer, "unpack"), (GradReducer, "reduce_grad")):
             setattr(cls, name, self._hooked(getattr(cls, name)))
         ShardedLinear.backward = staticmethod(self._hooked(ShardedLinear.backward))
-        autograd.F = SimpleNamespace(linear=self._compute(F.linear))  # the linear's own GEMMs
-        autograd.weight_grad = self._compute(autograd.weight_grad)
+        uses.F = SimpleNamespace(linear=self._compute(F.linear))  # the linear's own GEMMs
+        uses.weight_grad = self._compute(uses.weight_grad)
         fp8.linear_forward = self._compute(fp8.linear_forward)
         torch.Tensor.__matmul__ = self._compute(torch.Tensor.__matmul__)
 

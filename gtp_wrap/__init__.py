@@ -1,4 +1,14 @@
-"""gtp_wrap: Generalized Tensor Parallelism for PyTorch, one call to wrap any nn.Module."""
+"""gtp_wrap: Generalized Tensor Parallelism for PyTorch, one call to wrap any nn.Module.
+
+`GTPWrap(module, policy)` (api.py) plans every parameter (config/), builds one `ShardedWeight`
+per sharded weight over flat storage and registers its `GTPParameter` in place (core/), and
+hands the module to an engine (runtime/engine.py), a facade over its parts: the passes and
+their chains, the gatherer (prefetch, decode per precision/, rematerialize in backward), the
+uses and their autograd functions, the gradient reducer (reduce-scatter, dp all-reduce,
+finalize into `.grad`), the replicated all-reduce and the compute-copy casts. Collectives and
+cross-rank agreement live in comm/, mesh roles in mesh.py, CUDA graphs in graphs/, state dicts
+and checkpoints in io/. Each layer imports only the ones below it.
+"""
 
 import sys
 

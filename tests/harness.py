@@ -108,7 +108,7 @@ def mesh_2d(dp: int, gtp: int, device_type: str = "cpu") -> DeviceMesh:
 def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's rows of `full` if `param` is a sharded weight's shard, else `full`: the
     reference a shard's gradient or value is compared with."""
-    weight = getattr(param, "_gtp_weight", None)
+    weight = getattr(param, "gtp_weight", None)
     if type(weight) is ShardedWeight:
         return weight.geometry.local_rows_of(full)
     return full
@@ -116,9 +116,9 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 def slot_bytes(param: torch.Tensor) -> int:
     """Bytes of a sharded weight's slot (its rows plus padding) in the flat storage."""
-    weight = param._gtp_weight  # type: ignore[attr-defined]
+    weight = param.gtp_weight  # type: ignore[attr-defined]
     return weight.geometry.slot_numel * param.element_size()
 
 
 def is_sharded(param: torch.Tensor) -> bool:
-    return type(getattr(param, "_gtp_weight", None)) is ShardedWeight
+    return type(getattr(param, "gtp_weight", None)) is ShardedWeight

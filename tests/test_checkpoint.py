@@ -3,7 +3,6 @@ continuation, safetensors export, and clear errors on bad input."""
 
 from __future__ import annotations
 
-import functools
 import shutil
 from pathlib import Path
 from unittest import mock
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from harness import run_ranks
+from harness import cached_ranks, run_ranks
 from models import TinyGPT
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -108,9 +107,8 @@ def _assert_same(a: dict, b: dict, **tol) -> None:
         torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
 
 
-@functools.cache
 def _loaded(root: str, world: int, kind: str) -> list[dict]:
-    return run_ranks(_load_side, world, root, kind)
+    return cached_ranks(_load_side, world, root, kind)
 
 
 @pytest.mark.parametrize(("world", "kind"), [(1, "1"), (4, "4"), (4, "2x2")])

@@ -17,10 +17,10 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
+from graph_cases import CFG as GPT_CFG
+from graph_cases import OPTIMIZERS, POLICY, RoutedGPT, regions_run
+from graph_cases import train_graphed as _train_graphed
 from harness import run_ranks
-from test_graphs import CFG as GPT_CFG
-from test_graphs import OPTIMIZERS, POLICY, RoutedGPT, _regions_run
-from test_graphs import _train as _train_graphed
 
 from gtp_wrap import GTPPolicy, GTPWrap, PolicyError
 from gtp_wrap.comm import copy_kernels
@@ -205,7 +205,7 @@ def test_graphed_step_equals_eager() -> None:
 def _partial(rank: int, world: int) -> dict:
     try:
         build = lambda: RoutedGPT(GPT_CFG)  # noqa: E731
-        return {"runs": [_regions_run(rank, build, g, COPY_ENGINE) for g in (None, 0)]}
+        return {"runs": [regions_run(rank, build, g, COPY_ENGINE) for g in (None, 0)]}
     except Exception:
         return {"error": traceback.format_exc()}
 

@@ -10,16 +10,16 @@ import traceback
 
 import pytest
 import torch
-from harness import run_ranks
-from test_linear import MLP, TOL, _compare, _inputs, _reference
-from test_parity import CASES, _model, _train
-from test_precision import (
+from harness import cached_ranks, run_ranks
+from linear_cases import MLP, TOL, compare, inputs, reference
+from parity_cases import CASES, model_of, train_case
+from precision_cases import (
     BF16,
     FP8_GEMM,
-    _linear_grads,
-    _train_gpt,
     check_weight_grads_are_rounded_once,
+    linear_grads,
     packed_slots,
+    train_gpt,
 )
 
 import gtp_wrap
@@ -39,12 +39,14 @@ def _nccl_cases(rank: int, world: int, collectives: str) -> dict:
     out = {}
     for name, case in CASES.items():
         try:
-            ref_model = _model(case).to(device)
+            ref_model = model_of(case).to(device)
             summed = case.policy.get("loss_reduction") == "sum"
-            ref = _train(case, ref_model, 0, 1, wrapped=False, loss_scale=world if summed else 1.0)
+            ref = train_case(
+                case, ref_model, 0, 1, wrapped=False, loss_scale=world if summed else 1.0
+            )
             policy = {**case.policy, "collectives": collectives}
-            model = GTPWrap(_model(case).to(device), policy)
-            got = _train(case, model, rank, world, wrapped=True)
+            model = GTPWrap(model_of(case).to(device), policy)
+            got = train_case(case, model, rank, world, wrapped=True)
             full = gtp_wrap.full_state_dict(model)
             param_diff = max(
                 (full[k] - v.cpu()).abs().max().item() for k, v in ref_model.state_dict().items()
@@ -69,35 +71,30 @@ def test_nccl_parity(name: str, collectives: str) -> None:
         assert got["loss_diff"] < 1e-4, got
 
 
-_cache: dict[str, list] = {}
-
-
 def _results(collectives: str) -> list:
-    if collectives not in _cache:
-        _cache[collectives] = run_ranks(_nccl_cases, 2, collectives, timeout=300, backend="nccl")
-    return _cache[collectives]
+    return cached_ranks(_nccl_cases, 2, collectives, timeout=300, backend="nccl")
 
 
 def test_weight_gradients_come_out_of_the_gemm_in_fp32() -> None:
     """On CUDA the weight-gradient GEMM writes fp32 itself (torch.mm's out_dtype)."""
-    results = run_ranks(_linear_grads, 2, BF16, True, backend="nccl")
+    results = run_ranks(linear_grads, 2, BF16, True, backend="nccl")
     check_weight_grads_are_rounded_once(results, dx_tol=1e-2)
 
 
 def _dtype_pairs(rank: int, world: int) -> dict:
     device = torch.device("cuda", rank)
-    x = _inputs(world)[rank].to(device)
+    x = inputs(world)[rank].to(device)
 
     def loss_of(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return m(x).float().square().sum()
 
-    ref, out = _reference(world, loss_of), {}
+    ref, out = reference(world, loss_of), {}
     for param_dtype, reduce_dtype in (("float32", "bfloat16"), ("bfloat16", "float16")):
         torch.manual_seed(0)
         policy = {"min_shard_numel": 0, "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
         model = GTPWrap(MLP().to(device), policy)
         loss_of(model, x.clone().requires_grad_()).backward()
-        out[f"{param_dtype}/{reduce_dtype}"] = max(_compare(model, ref).values())
+        out[f"{param_dtype}/{reduce_dtype}"] = max(compare(model, ref).values())
     return out
 
 
@@ -111,8 +108,8 @@ def test_other_dtype_pairs_keep_autograds_linear() -> None:
 def test_fp8_gemm_on_hopper_trains_like_bf16() -> None:
     """fp8_matmul runs torch._scaled_mm on the GPU's FP8 tensor cores; 100 steps of the
     reference GPT end within 2 % of bf16 gathers, with every Linear an FP8 GEMM."""
-    bf16 = run_ranks(_train_gpt, 2, BF16, 176, 100, True, timeout=200, backend="nccl")
-    low = run_ranks(_train_gpt, 2, FP8_GEMM, 176, 100, True, timeout=200, backend="nccl")
+    bf16 = run_ranks(train_gpt, 2, BF16, 176, 100, True, timeout=200, backend="nccl")
+    low = run_ranks(train_gpt, 2, FP8_GEMM, 176, 100, True, timeout=200, backend="nccl")
     mean = [sum(r["loss"] for r in runs) / 2 for runs in (bf16, low)]
     assert abs(mean[1] - mean[0]) / mean[0] < 0.02, mean
     assert low[0]["stats"]["fp8_matmuls"] == 11

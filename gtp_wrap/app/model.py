@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 
@@ -47,11 +48,11 @@ class Attention(nn.Module):
         self.o = nn.Linear(cfg.d, cfg.d, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        qkv = rearrange(self.qkv(x), "b t (three h e) -> three b h t e", three=3, h=self.heads)
+        q, k, v = qkv.unbind(0)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, d))
+        return self.o(rearrange(y, "b h t e -> b t (h e)"))
 
 
 class SwiGLU(nn.Module):
@@ -91,6 +92,8 @@ class GPT(nn.Module):
         half = cfg.d // cfg.heads // 2
         freqs = cfg.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
         angles = torch.outer(torch.arange(cfg.max_seq, dtype=torch.float32), freqs)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
         self.apply(self._init)

@@ -5,11 +5,11 @@ turns a stuck collective into a CollectiveTimeoutError. On NCCL, `Work.wait()` o
 current stream wait (no host sync), and a timed wait would block the host, so the process
 group's own timeout (its watchdog) applies there instead.
 
-Note: the "side stream" of the design is NCCL's own. An async collective runs on the process
-group's internal stream after waiting for the work already queued on the current stream (so a
-gather never overwrites a buffer an earlier kernel still reads), and `wait()` makes the current
-stream wait for it with an event. A prefetch issued before the current use's GEMM is queued
-therefore runs under that GEMM, with no stream or event management of our own.
+[Note: NCCL's stream is the side stream] The "side stream" of the design is NCCL's own. An async
+collective runs on the process group's internal stream after waiting for the work already queued on
+the current stream (so a gather never overwrites a buffer an earlier kernel still reads), and
+`wait()` makes the current stream wait for it with an event. A prefetch issued before the current
+use's GEMM is queued therefore runs under that GEMM, with no stream or event management of our own.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Comm:
         # collective itself: no extra scaling kernel) or sum, as the policy says.
         self.grad_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         self._rs_opts = dist.ReduceScatterOptions()
-        self._rs_opts.reduceOp = self.grad_op
+        self._rs_opts.reduceOp = dist.ReduceOp(self.grad_op)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # Gloo differs twice. Its waits block the host, so they take our timeout. And a group
         # is issued there one collective per weight: a gloo Work keeps its outputs referenced
@@ -119,10 +119,10 @@ class Comm:
         """Gather each shard into its output, all in one collective (one grouped NCCL launch);
         a shard of another dtype than its output is cast on the way.
 
-        Note: each output gets its own Pending, waited for by whoever uses that output: on NCCL
-        a wait orders only the calling stream, so one wait for the group would not cover an
-        output used later on another stream. On NCCL they share the group's one Work. (A GTP
-        group of one gathers nothing: the engine reads its local copy instead.)
+        [Note: a Pending per output] Each output gets its own Pending, waited for by whoever uses
+        that output: on NCCL a wait orders only the calling stream, so one wait for the group would
+        not cover an output used later on another stream. On NCCL they share the group's one Work.
+        (A GTP group of one gathers nothing: the engine reads its local copy instead.)
         """
         if self.gather_copies is not None:  # casts on its own stream
             copies = self.gather_copies.all_gather(outs, shards)

@@ -1,13 +1,13 @@
 """Gathers and reduce-scatters as memcpys over NVLink (the GPUs' copy engines), not NCCL kernels.
 
-Note: why. An NCCL collective is a kernel: it occupies SMs for as long as it runs, and the GEMMs
-it overlaps run on what is left. On 2xH200 one layer's GEMMs ran 1.62x slower beside NCCL
-all-gathers than alone, and 1.03x beside peer copies (benchmarks/contention.py), which the
-copy engines carry without SMs. In the graphed 1.36B batch-1 step that slowdown cost ~8 ms:
-GEMM time per step was 34.1 ms beside NCCL, 26.8 ms beside these collectives, 25.7 ms in the
-floor. (Not every memcpy stays off the SMs: in that step the driver ran about 240 of them as
-small `memcpy128` kernels, ~4 ms in all: the gathers' same-GPU copies, which
-`copy_kernels.py` now folds into the cast.)
+[Note: why copy engines] An NCCL collective is a kernel: it occupies SMs for as long as it runs, and
+the GEMMs it overlaps run on what is left. On 2xH200 one layer's GEMMs ran 1.62x slower beside NCCL
+all-gathers than alone, and 1.03x beside peer copies (benchmarks/contention.py), which the copy
+engines carry without SMs. In the graphed 1.36B batch-1 step that slowdown cost ~8 ms: GEMM time per
+step was 34.1 ms beside NCCL, 26.8 ms beside these collectives, 25.7 ms in the floor. (Not every
+memcpy stays off the SMs: in that step the driver ran about 240 of them as small `memcpy128`
+kernels, ~4 ms in all: the gathers' same-GPU copies, which `copy_kernels.py` now folds into the
+cast.)
 
 How. Every rank of the GTP group allocates one workspace in symmetric memory
 (`torch.distributed._symmetric_memory`): each rank can address its peers' workspaces, and a
@@ -199,8 +199,8 @@ class CopyEngineCollectives:
         self.nbytes = nbytes
         self.rank = self._handle.rank
         self._device = device
-        # Note: a barrier that waits longer than this traps on the GPU (torch's symmetric
-        # memory has no softer way out): the process dies with a CUDA error, where NCCL's
+        # [Note: barrier timeout] A barrier that waits longer than this traps on the GPU (torch's
+        # symmetric memory has no softer way out): the process dies with a CUDA error, where NCCL's
         # watchdog would raise.
         self._timeout_ms = int(timeout_s * 1000)
         self._stream = torch.cuda.Stream(device)

@@ -1,13 +1,12 @@
 """Fused Triton kernels for the SM work of the copy-engine collectives (CUDA GPUs).
 
-Note: why. The copy-engine collectives move data with the copy engines, but leave two jobs to
-SM kernels, which run beside the GEMMs and slow them down. A gather writes this rank's chunk
-twice: into the workspace its peers read (with the cast to the gather dtype) and into its own
-output (a same-GPU copy). A two-rank reduce-scatter adds the peer's part to this rank's own,
-then halves the sum for the mean. In a graphed 1.36B batch-1 step on 2xH200 (54.7 ms), leaving
-out the same-GPU copies saved 2.5 ms and leaving out the halving 0.8 ms: experiments that
-computed wrong values, run only to size the costs. These kernels read each input once and write
-each output once.
+[Note: fused copy kernels] The copy-engine collectives move data with the copy engines, but leave
+two jobs to SM kernels, which run beside the GEMMs and slow them down. A gather writes this rank's
+chunk twice: into the workspace its peers read (with the cast to the gather dtype) and into its own
+output (a same-GPU copy). A two-rank reduce-scatter adds the peer's part to this rank's own, then
+halves the sum for the mean. In a graphed 1.36B batch-1 step on 2xH200 (54.7 ms), leaving out the
+same-GPU copies saved 2.5 ms and leaving out the halving 0.8 ms: experiments that computed wrong
+values, run only to size the costs. These kernels read each input once and write each output once.
 
 They run on contiguous CUDA tensors of the dtypes below, with Triton installed. Elsewhere, and
 for good should a launch fail (a kernel is compiled at its first launch, which may come with

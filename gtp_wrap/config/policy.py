@@ -94,10 +94,10 @@ class GTPPolicy:
         prefetch_depth: how many groups of gathers along the chain are in flight ahead of the
             current use's group.
         group_numel: consecutive uses along a chain are gathered as one collective until their
-            full weights reach this many elements, and weight gradients are reduce-scattered
-            the same way; 0 issues one collective per weight. Collectives of a few MB are
-            latency-bound, so grouping moves the same bytes sooner and launches fewer (see the
-            Note in chain.py); memory held by gathered weights grows with the group.
+            full weights reach this many elements, and weight gradients are reduce-scattered the
+            same way; 0 issues one collective per weight. Collectives of a few MB are latency-bound,
+            so grouping moves the same bytes sooner and launches fewer (see [Note: grouped gathers]
+            in runtime/chain.py); memory held by gathered weights grows with the group.
         pad_for_alignment: start every shard at a 128-byte boundary of the flat storage, so
             collectives read aligned memory.
         loss_reduction: "mean" averages gradients over all data-parallel ranks (like DDP);
@@ -110,10 +110,10 @@ class GTPPolicy:
             parameters' own dtype (fp32 masters). No autocast: gathers move and yield weights
             in param_dtype, so no use casts a full weight.
         compute_copy: where the shards are cast to param_dtype. False (default): each gather
-            casts this rank's shard straight into its part of the gather buffer, as FSDP2
-            does, so no copy is held. True: keep a param_dtype copy of the shards, cast once
-            per step, which holds 1/N of the model in param_dtype more memory for one cast
-            per step instead of one per gather (see the Note in engine.py).
+            casts this rank's shard straight into its part of the gather buffer, as FSDP2 does, so
+            no copy is held. True: keep a param_dtype copy of the shards, cast once per step, which
+            holds 1/N of the model in param_dtype more memory for one cast per step instead of one
+            per gather (see [Note: no compute copy] in precision/encoding.py).
         reduce_dtype: the dtype weight gradients are reduce-scattered in ("float32"); None
             uses param_dtype's gradients as they come.
         gather_dtype: "fp8" to gather float8_e4m3fn shards with a scale per 128-element block
@@ -124,15 +124,14 @@ class GTPPolicy:
             quantized with one scale per row and fed to the GEMM without dequantization, and
             activations are quantized per row on the fly. Backward stays in param_dtype.
         collectives: what moves gathers and reduce-scatters. "process_group" (default): the
-            process group's collectives (NCCL kernels on GPUs, gloo on CPUs). "copy_engine":
-            memcpys over NVLink through symmetric-memory workspaces of 2 and 4 x group_numel
-            bytes (at least 16 MiB each; `gtp_wrap.stats` reports them as workspace_bytes), so
-            the transfers leave the GEMMs they overlap their SMs (see the Note in
-            copy_engine.py); needs the GTP group's GPUs on one host with peer access.
-            Replicated all-reduces stay on the process group. Pays off with
-            `graph_step`: eager, its host time per collective is higher than NCCL's. A peer
-            that stalls past collective_timeout_s makes a barrier trap on the GPU (a CUDA
-            error that ends the process) instead of raising CollectiveTimeoutError.
+            process group's collectives (NCCL kernels on GPUs, gloo on CPUs). "copy_engine": memcpys
+            over NVLink through symmetric-memory workspaces of 2 and 4 x group_numel bytes (at least
+            16 MiB each; `gtp_wrap.stats` reports them as workspace_bytes), so the transfers leave
+            the GEMMs they overlap their SMs (see [Note: why copy engines] in comm/copy_engine.py);
+            needs the GTP group's GPUs on one host with peer access. Replicated all-reduces stay on
+            the process group. Pays off with `graph_step`: eager, its host time per collective is
+            higher than NCCL's. A peer that stalls past collective_timeout_s makes a barrier trap on
+            the GPU (a CUDA error that ends the process) instead of raising CollectiveTimeoutError.
     """
 
     rules: tuple[LayerRule, ...] = (

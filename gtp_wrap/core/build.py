@@ -53,7 +53,8 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     _checked[optimizer] = count
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if _replaced.get(id(p)) is p:
+            replaced = _replaced.get(id(p))
+            if replaced is not None and replaced is p:
                 raise WrapError(
                     f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} "
                     "that GTPWrap replaced (it was built before wrapping), so it would not train "

@@ -53,9 +53,9 @@ class OpenPasses:
 
 class GTPParameter(nn.Parameter):
     """A parameter holding this rank's rows of a sharded weight, or a replicated parameter read
-    through its compute-dtype copy (see the module docstring). `_gtp_weight` is all it knows."""
+    through its compute-dtype copy (see the module docstring). `gtp_weight` is all it knows."""
 
-    _gtp_weight: ShardedWeight | CastWeight
+    gtp_weight: ShardedWeight | CastWeight
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -75,7 +75,7 @@ class GTPParameter(nn.Parameter):
             return runtime.use(func, args, kwargs)
 
     def register_hook(self, hook):  # type: ignore[override]
-        weight = self._gtp_weight
+        weight = self.gtp_weight
         if type(weight) is not ShardedWeight:
             return super().register_hook(hook)
         raise WrapError(
@@ -87,7 +87,7 @@ class GTPParameter(nn.Parameter):
         )
 
     def register_post_accumulate_grad_hook(self, hook):  # type: ignore[override]
-        weight = self._gtp_weight
+        weight = self.gtp_weight
         if type(weight) is ShardedWeight:
             if not self.requires_grad:  # as torch's own refusal
                 raise RuntimeError(
@@ -144,17 +144,17 @@ def is_use(func) -> bool:
 
 
 def _meta(p: GTPParameter) -> torch.Tensor:
-    return p._gtp_weight.meta
+    return p.gtp_weight.meta
 
 
 def _runtime_of(args: tuple, kwargs: dict) -> Runtime | None:
     for a in args:
         if type(a) is GTPParameter:
-            return a._gtp_weight.runtime
+            return a.gtp_weight.runtime
     found: list[Runtime] = []
 
     def visit(p: GTPParameter) -> GTPParameter:
-        found.append(p._gtp_weight.runtime)
+        found.append(p.gtp_weight.runtime)
         return p
 
     tree_map_only(GTPParameter, visit, (args, kwargs))
@@ -183,6 +183,6 @@ def make_gtp_parameter(
     """`data` (a view into the flat storage, or a replicated tensor) as the parameter of
     `weight`, which points back at it."""
     p = GTPParameter(data, requires_grad=requires_grad)
-    p._gtp_weight = weight
+    p.gtp_weight = weight
     weight.param = p
     return p

@@ -64,9 +64,9 @@ class _LastOp(TorchDispatchMode):
 def refusing_host_syncs(what: str) -> Iterator[None]:
     """Run the body with host synchronizations raising GraphCaptureError, naming the operator.
 
-    Note: the last warm-up step runs under this too, so a step that cannot be captured fails
-    eagerly, before any capture: a capture abandoned half-way can leave NCCL unable to shut
-    down cleanly.
+    [Note: refuse syncs before capture] The last warm-up step runs under this too, so a step that
+    cannot be captured fails eagerly, before any capture: a capture abandoned half-way can leave
+    NCCL unable to shut down cleanly.
     """
     op = _LastOp()
     previous = torch.cuda.get_sync_debug_mode()
@@ -125,10 +125,10 @@ def release_graphs() -> None:
     """Free every CUDA graph gtp_wrap captured in this process; call it before
     `dist.destroy_process_group()`.
 
-    Note: a captured NCCL collective holds on to its communicator, and NCCL waits for every
-    graph using a communicator to be destroyed before destroying it, so shutting down with a
-    graph still alive (a graphed step or region kept by a reference cycle, say) hangs. The
-    released graphs cannot be replayed anymore.
+    [Note: release graphs first] A captured NCCL collective holds on to its communicator, and NCCL
+    waits for every graph using a communicator to be destroyed before destroying it, so shutting
+    down with a graph still alive (a graphed step or region kept by a reference cycle, say) hangs.
+    The released graphs cannot be replayed anymore.
     """
     for graph in list(_live_graphs):
         graph.reset()

@@ -18,6 +18,7 @@ from ..core.parameter import GTPParameter
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError
 from ..runtime.engine import GTPEngine
+from ..runtime.uses import RegionReplay
 from .capture import (
     Replay,
     capture,
@@ -50,9 +51,9 @@ class _Region:
         self.sharded = [
             p
             for p in self.params
-            if isinstance(p, GTPParameter) and type(p._gtp_weight) is ShardedWeight
+            if isinstance(p, GTPParameter) and type(p.gtp_weight) is ShardedWeight
         ]
-        self.weights = [p._gtp_weight for p in self.sharded]
+        self.weights = [p.gtp_weight for p in self.sharded]
         self.wrt = [x for x in self.static_in if x.requires_grad] + self.params
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self._spec: Any = None
@@ -150,46 +151,40 @@ class _Region:
             )
         self._replayed_in = current
         with torch._C.DisableTorchFunctionSubclass():  # parameters as plain tensors here
-            outs = _RegionReplay.apply(self, *args, *self.params)
+            outs = RegionReplay.apply(self, *args, *self.params)
         return tree_unflatten(list(outs), self._spec)
 
-
-class _RegionReplay(torch.autograd.Function):
-    """Replays a region's forward graph, and its backward graph in the model's backward."""
-
-    @staticmethod
-    def forward(ctx, region: _Region, *inputs: torch.Tensor):  # type: ignore[override]
-        ctx.region = region
-        region.engine.fence()
-        for static, x in zip(region.static_in, inputs):
+    def replay_forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Replay the forward graph on `inputs` (the region's, then its parameters')."""
+        self.engine.fence()
+        for static, x in zip(self.static_in, inputs):
             static.detach().copy_(x)
-        region.fwd.replay()
-        region.fwd_replay.after_replay()
-        return tuple(o.detach() for o in region.static_out)
+        self.fwd.replay()
+        self.fwd_replay.after_replay()
+        return tuple(o.detach() for o in self.static_out)
 
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        region: _Region = ctx.region
-        if any(p.grad is not None for p in region.sharded):
+    def replay_backward(self, grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+        """Replay the backward graph for the outputs' `grads`; the inputs' gradients."""
+        if any(p.grad is not None for p in self.sharded):
             raise GraphCaptureError(
-                f"graph_region {region.name}: its weights already have gradients, and a replay "
+                f"graph_region {self.name}: its weights already have gradients, and a replay "
                 "overwrites them. Accumulating over backward passes is not supported in a "
                 "graphed region: zero_grad(set_to_none=True) before each step"
             )
-        engine = region.engine
+        engine = self.engine
         engine.ensure_backward()  # the model's backward pass, even if the region runs first
         engine.fence()
-        for static, g in zip(region.static_grad_out, grads):
+        for static, g in zip(self.static_grad_out, grads):
             if g is None:
                 static.zero_()
             else:
                 static.copy_(g)
-        region.bwd.replay()
-        region.bwd_replay.after_replay()
+        self.bwd.replay()
+        self.bwd_replay.after_replay()
         # The replay wrote the region's gradients: their hooks run when the model's backward
         # ends, with the others'.
-        engine.region_landed(region.weights)  # type: ignore[arg-type]
-        return (None, *(None if g is None else g.clone() for g in region.grad_of_input))
+        engine.region_landed(self.weights)  # type: ignore[arg-type]
+        return tuple(None if g is None else g.clone() for g in self.grad_of_input)
 
 
 _regions = itertools.count()

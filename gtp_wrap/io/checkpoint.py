@@ -8,11 +8,12 @@ Layout of one checkpoint directory `ckpt_NNNNNN/`:
   and the file's CRC-32.
 - `meta.json`: world size, optimizer hyperparameters, the caller's `extra`. Written last.
 
-Note: everything is safetensors or JSON, so loading never unpickles (torch.distributed.checkpoint
-pickles its metadata). A checkpoint is written into `.tmp-ckpt_NNNNNN/` and renamed only after
-every rank reported its file written; a rank that fails leaves the previous checkpoints as they
-were. Pieces are row ranges along one dim, so loading at another world size or mesh reads just
-the overlapping rows of each piece (safetensors slices without reading whole files).
+[Note: no pickle, atomic publish] Everything is safetensors or JSON, so loading never unpickles
+(torch.distributed.checkpoint pickles its metadata). A checkpoint is written into
+`.tmp-ckpt_NNNNNN/` and renamed only after every rank reported its file written; a rank that fails
+leaves the previous checkpoints as they were. Pieces are row ranges along one dim, so loading at
+another world size or mesh reads just the overlapping rows of each piece (safetensors slices without
+reading whole files).
 """
 
 from __future__ import annotations
@@ -111,10 +112,10 @@ def _drop_unsaved_state(
 ) -> None:
     """Remove the optimizer state of parameters the checkpoint holds none for.
 
-    Note: an optimizer has no state for a parameter that never had a gradient (an unused
-    branch, an expert no token was routed to, any parameter before the first step), so neither
-    has its checkpoint; the load created state for every parameter to fill it in place. Those
-    parameters resume stateless, as they were saved.
+    [Note: stateless parameters] An optimizer has no state for a parameter that never had a
+    gradient (an unused branch, an expert no token was routed to, any parameter before the first
+    step), so neither has its checkpoint; the load created state for every parameter to fill it
+    in place. Those parameters resume stateless, as they were saved.
     """
     saved = {k[len("optim/") : k.rindex("/")] for k in pieces if k.startswith("optim/")}
     param_of = dict(model.named_parameters())

@@ -57,7 +57,7 @@ class Precision:
 
     @property
     def own_linear(self) -> bool:
-        """Whether F.linear uses run through the engine's own linear (runtime/autograd.py):
+        """Whether F.linear uses run through the engine's own linear (runtime/uses.py):
         FP8 GEMMs, or half-precision compute meeting fp32 reductions (the GEMM then writes
         fp32 weight gradients, see [Note: fp32 weight gradients])."""
         half = self.param_dtype in (torch.bfloat16, torch.float16)

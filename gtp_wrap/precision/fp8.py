@@ -2,16 +2,16 @@
 128 consecutive elements, gathered as one byte buffer per weight, dequantized for the GEMM.
 With `fp8_matmul`, one scale per row instead, and the forward GEMM runs in FP8 (scaled_linear).
 
-Note: block scales rather than one scale per row. A row of a 2048-wide weight spans 2048
-elements, so one outlier flattens the resolution of all of them; a 128-element block confines
-it. The cost is one fp32 scale per 128 bytes: 1.031 bytes per element on the wire instead of
-2 for bf16. Error bound per element, with s = amax(block) / 448 (e4m3's largest normal):
+[Note: FP8 block scales] Block scales rather than one scale per row. A row of a 2048-wide weight
+spans 2048 elements, so one outlier flattens the resolution of all of them; a 128-element block
+confines it. The cost is one fp32 scale per 128 bytes: 1.031 bytes per element on the wire instead
+of 2 for bf16. Error bound per element, with s = amax(block) / 448 (e4m3's largest normal):
 |x - dq(q(x))| <= max(2**-4 * |x|, 2**-10 * s) — half a unit in the last place of a 3-bit
 mantissa, or half the smallest subnormal step (2**-9) for values near zero.
 
-Note: the FP8 GEMM (`torch._scaled_mm`) takes one scale per row of each operand, not block
-scales, so `fp8_matmul` quantizes each weight row (output channel) with one scale, and each
-activation row (token) on the fly. The same bound holds with s = amax(row) / 448: an outlier
+[Note: FP8 row scales] The FP8 GEMM (`torch._scaled_mm`) takes one scale per row of each operand,
+not block scales, so `fp8_matmul` quantizes each weight row (output channel) with one scale, and
+each activation row (token) on the fly. The same bound holds with s = amax(row) / 448: an outlier
 coarsens its whole row, which is the price of the faster GEMM.
 """
 
@@ -118,9 +118,9 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
 def _rowwise_scaled_mm(device_type: str) -> bool:
     """Whether torch._scaled_mm takes one scale per row on this device type.
 
-    Note: CUDA's does from torch 2.11 on, the CPU backend only from 2.13 (2.11's raises an
-    internal assert). Asking the backend itself, once, keeps fp8_matmul usable for CPU
-    development on either version.
+    [Note: row-wise scaled_mm] CUDA's does from torch 2.11 on, the CPU backend only from 2.13
+    (2.11's raises an internal assert). Asking the backend itself, once, keeps fp8_matmul usable for
+    CPU development on either version.
     """
     if device_type != "cpu":
         return True

@@ -1,12 +1,12 @@
 """One fused kernel that dequantizes gathered FP8 slots on CUDA GPUs (Triton).
 
-Note: PyTorch dequantizes in two elementwise kernels (FP8 -> bf16 of a strided view, then the
-scale multiply), which measured 0.10-0.48 ms per weight of the 1.36B model on an H200: more than
-the bf16 all-gather the FP8 gather replaces (0.07-0.33 ms). This kernel reads each payload byte
-and its block's scale once and writes the result once. `available()` says where it runs: Triton
-present, a CUDA GPU with FP8 support (compute capability 8.9+), a slot small enough for one
-launch grid. Elsewhere fp8.dequantize_into uses PyTorch's kernels, which compute the same
-values (one rounding of FP8 value x fp32 scale).
+[Note: fused dequantization] PyTorch dequantizes in two elementwise kernels (FP8 -> bf16 of a
+strided view, then the scale multiply), which measured 0.10-0.48 ms per weight of the 1.36B model on
+an H200: more than the bf16 all-gather the FP8 gather replaces (0.07-0.33 ms). This kernel reads
+each payload byte and its block's scale once and writes the result once. `available()` says where it
+runs: Triton present, a CUDA GPU with FP8 support (compute capability 8.9+), a slot small enough for
+one launch grid. Elsewhere fp8.dequantize_into uses PyTorch's kernels, which compute the same values
+(one rounding of FP8 value x fp32 scale).
 """
 
 from __future__ import annotations

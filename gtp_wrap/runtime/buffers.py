@@ -38,7 +38,7 @@ class GatherBuffer:
             self.tensor = torch.empty(numel, dtype=dtype, device=device)
         self._storage = self.tensor.untyped_storage()
         self._baseline = self._use_count()
-        self._gathering = False
+        self.gathering = False
         self.owner: ShardedWeight | None = None  # the weight last gathered into it
         self.data_ptr = self._storage.data_ptr()
         self.nbytes = self.tensor.numel() * self.tensor.element_size()
@@ -48,7 +48,7 @@ class GatherBuffer:
 
     @property
     def state(self) -> BufferState:
-        if self._gathering:
+        if self.gathering:
             return BufferState.GATHERING
         if self._use_count() > self._baseline:
             return BufferState.IN_USE
@@ -88,12 +88,12 @@ class GatherBufferPool:
             buffers.append(buf)
             self._by_ptr[buf.data_ptr] = buf
             self.total_bytes += buf.nbytes
-        buf._gathering = True
+        buf.gathering = True
         return buf
 
     def hand_out(self, buf: GatherBuffer) -> None:
         """The gather into `buf` is complete; from now on its views decide when it is free."""
-        buf._gathering = False
+        buf.gathering = False
         buf.settle()
 
     def release_free(self) -> None:

@@ -54,7 +54,9 @@ class Chain:
     def build(cls, order: list[int], numels: list[int], group_numel: int) -> Chain:
         """Cut `order` greedily: a group closes once its weights reach `group_numel` elements
         (0: one use per group)."""
-        group_of, group_stop, size = [], [], 0
+        group_of: list[int] = []
+        group_stop: list[int] = []
+        size = 0
         for position, index in enumerate(order):
             group_of.append(len(group_stop))
             size += numels[index]

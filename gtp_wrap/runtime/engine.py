@@ -1,7 +1,7 @@
 """The GTP engine of one wrapped module: a facade over its parts, in the order data flows.
 
 wrap (core/build.py: storage, parameters) -> forward gather along the chain, a group of weights
-per collective (gather.py, chain.py) -> compute (uses.py, autograd.py) -> backward
+per collective (gather.py, chain.py) -> compute (uses.py) -> backward
 rematerialize: saved weights are re-gathered, never kept (gather.py) -> reduce-scatter of the
 weight gradients, a group per collective, finalized one group later into `.grad` (reduce.py)
 -> end of backward: last finalize, replicated all-reduce (replicated.py), chain record
@@ -10,7 +10,7 @@ weight gradients, a group per collective, finalized one group later into `.grad`
 The engine opens and closes the passes (module hooks and autograd's end-of-backward callback)
 and answers the narrow runtime interface its parameters and autograd functions call:
 `intercepting`, `use` (core/weight.Runtime), `ensure_backward`, `gather`, `full_weight`,
-`reduce_grad` (autograd.GradRuntime). graphs/ drives it through the public methods below.
+`reduce_grad` (uses.GradRuntime). graphs/ drives it through the public methods below.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class GTPEngine:
             self.replicated.abandon()
             self._end_pass(failed=True)
 
-    # ---- the runtime interface (autograd.GradRuntime) -----------------------------------
+    # ---- the runtime interface (uses.GradRuntime) ---------------------------------------
 
     def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
         return self.gatherer.gather(w, packed)

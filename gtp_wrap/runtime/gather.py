@@ -33,7 +33,7 @@ class SavedWeightView:
     weight: ShardedWeight
     size: torch.Size
     stride: tuple[int, ...]
-    storage_offset: int
+    storage_offset: int | torch.SymInt
 
 
 def describe_group(weights: list[ShardedWeight], action: str, one: str, context: str) -> str:

@@ -1,16 +1,37 @@
-"""One intercepted use of a managed parameter during a pass: what the torch function runs on.
+"""One use of a managed parameter during a pass: what the torch function runs on, and the
+autograd functions that carry its gradient back to the engine.
 
 Every torch function that reads a managed parameter's values inside a pass comes here from
 `GTPParameter.__torch_function__` (see [Note: interception] in core/parameter.py). An F.linear
-of a sharded 2-D weight takes the engine's own linear where the policy asks for it; an in-place
-write is refused; any other use runs on the full weights, each wired so that its gradient
-reaches the engine.
+of a sharded 2-D weight takes the engine's own linear (`ShardedLinear`) where the policy asks
+for it; an in-place write is refused; any other use runs on the full weights, each wired so that
+its gradient reaches the engine:
+
+- `RouteGrad`: identity on a gathered weight; its backward hands the full weight gradient to the
+  reduce-scatter (runtime/reduce.py) instead of to the shard.
+- `CastGrad`: a replicated parameter read through its compute-dtype copy; the gradient is cast
+  back and accumulates into the parameter as usual.
+- `ShardedLinear`: F.linear on a gathered weight, with the weight gradient computed straight in
+  the reduce dtype, and the weight re-gathered in backward for the input gradient.
+- `RegionReplay`: a graphed region's forward and backward graphs, replayed (graphs/region.py).
+
+[Note: fp32 weight gradients] With bf16 compute and fp32 reductions, autograd's own linear
+backward writes the weight gradient in bf16 and the reduce-scatter then needs it in fp32: a cast
+that reads and writes every gathered gradient once more (5.1 ms of a 76.6 ms graphed step at
+1.36B, batch 1, 2xH200, `benchmarks/profile_gtp.py`). The GEMM can write fp32 itself (cuBLAS
+accumulates in fp32 anyway), so uses that are F.linear take `ShardedLinear`: the forward is
+F.linear as before, the input gradient is the same GEMM autograd runs, and the weight gradient
+is one GEMM with an fp32 output: the bf16 products summed and rounded once in fp32, as
+Megatron-LM's fp32 gradient accumulation keeps them. On CPU, where the GEMM has no output
+dtype, the operands are upcast instead, which computes the same products. Uses that autograd's
+linear handles differently (autocast to another dtype, a bias that is not 1-D) keep autograd's
+linear (see `Uses.linear_weight`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +42,26 @@ from ..core.weight import ShardedWeight
 from ..errors import WrapError
 from ..precision import fp8
 from ..precision.encoding import Precision
-from .autograd import CastGrad, GradRuntime, RouteGrad, ShardedLinear
 from .gather import Gatherer
 from .passes import Passes
 from .stats import Stats
 
 _CONTAINERS = (list, tuple, dict)
+_LINEAR = F.linear  # what F.linear is, even where a profiler wraps this module's F
+
+
+class GradRuntime(Protocol):
+    """What the backward of a use asks of its engine."""
+
+    reduce_dtype: torch.dtype | None
+
+    def ensure_backward(self) -> None: ...
+
+    def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor: ...
+
+    def full_weight(self, p: torch.Tensor) -> torch.Tensor: ...
+
+    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor) -> None: ...
 
 
 class Uses:
@@ -58,7 +93,7 @@ class Uses:
         p = written_param(func, args, kwargs)
         if p is not None:
             raise WrapError(
-                f"{getattr(func, '__name__', func)} writes in place to '{p._gtp_weight.fqn}' "
+                f"{getattr(func, '__name__', func)} writes in place to '{p.gtp_weight.fqn}' "
                 "during a forward or backward pass, where it reads as a temporary copy (the "
                 "gathered weight, or its compute-dtype copy), so the write would be lost (e.g. "
                 "nn.Embedding(max_norm=...) renormalizes its weight this way). Replicate that "
@@ -80,7 +115,7 @@ class Uses:
 
     def full_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The weight one use of `p` sees, wired so that its gradient reaches `p`."""
-        w = p._gtp_weight  # type: ignore[attr-defined]
+        w = p.gtp_weight  # type: ignore[attr-defined]
         grad = torch.is_grad_enabled() and p.requires_grad
         if type(w) is not ShardedWeight:  # replicated, used in the compute dtype
             return CastGrad.apply(p, w.cast) if grad else w.cast
@@ -91,11 +126,11 @@ class Uses:
         """The weight if this use is an F.linear that takes the engine's own linear: a sharded
         2-D weight, an input in the compute dtype, no bias or a 1-D one, and no autocast to
         another dtype (see [Note: fp32 weight gradients])."""
-        if func is not F.linear or len(args) < 2 or type(args[1]) is not GTPParameter:
+        if func is not _LINEAR or len(args) < 2 or type(args[1]) is not GTPParameter:
             return None
         x, param = args[0], args[1]
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        w = param._gtp_weight
+        w = param.gtp_weight
         if type(w) is not ShardedWeight or len(w.geometry.shape) != 2:
             return None
         if type(x) is GTPParameter or x.dtype != self.precision.param_dtype or x.dim() == 0:
@@ -134,3 +169,122 @@ class Uses:
             return ShardedLinear.apply(x, param, full, bias, self.runtime, w, scale)
         assert scale is not None  # without autograd only FP8 GEMMs take this route
         return fp8.linear_forward(x, full, scale, geo, bias)
+
+
+class CastGrad(torch.autograd.Function):
+    """A replicated parameter used through its compute-dtype copy."""
+
+    @staticmethod
+    def forward(ctx, param, cast):  # type: ignore[override]
+        ctx.dtype = param.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad.to(ctx.dtype), None
+
+
+class RouteGrad(torch.autograd.Function):
+    """Identity on the gathered weight whose backward sends the full grad to the reduce-scatter.
+
+    The shard parameter is an input only so the output requires grad; no gradient flows to it
+    through autograd: the reducer writes `.grad` itself when the reduce-scatter is finalized.
+    """
+
+    @staticmethod
+    def forward(ctx, param, full, runtime, weight):  # type: ignore[override]
+        ctx.runtime, ctx.weight = runtime, weight
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.runtime.reduce_grad(ctx.weight, grad)
+        return None, None, None, None
+
+
+def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad.T @ x (both 2-D, in the compute dtype) as a `dtype` tensor: rounded once when
+    `dtype` is fp32 (the engine's route), else the compute-dtype product cast."""
+    if grad.dtype == dtype:
+        return grad.t() @ x
+    if dtype != torch.float32:
+        return (grad.t() @ x).to(dtype)
+    if grad.is_cuda:
+        return torch.mm(grad.t(), x, out_dtype=dtype)
+    return grad.t().to(dtype) @ x.to(dtype)
+
+
+def _will_run(ctx, index: int) -> bool:
+    """Whether this backward needs the gradient of input `index`.
+
+    [Note: needs_input_grad] `ctx.needs_input_grad` is fixed at forward time, while autograd's
+    own nodes compute only what the running backward asks for: `autograd.grad(loss, x)` or
+    `backward(inputs=[x])` must not reduce-scatter weight gradients. The engine knows which
+    nodes it will run; asked about a node outside the graph it raises, and then the gradient
+    is computed, as before.
+    """
+    if not ctx.needs_input_grad[index]:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(ctx.next_functions[index][0])
+    except RuntimeError:
+        return True
+
+
+class ShardedLinear(torch.autograd.Function):
+    """F.linear with a gathered weight (with `scale`, the gathered FP8 rows and their scales,
+    run as one FP8 GEMM); backward re-gathers the weight in the compute dtype for the input
+    gradient and hands the weight gradient, in the reduce dtype, to the reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, param, w, bias, runtime, weight, scale):  # type: ignore[override]
+        ctx.runtime, ctx.weight, ctx.param = runtime, weight, param
+        ctx.save_for_backward(x)
+        if scale is None:
+            return F.linear(x, w, bias)
+        return fp8.linear_forward(x, w, scale, weight.geometry, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        runtime: GradRuntime = ctx.runtime
+        weight: ShardedWeight = ctx.weight
+        runtime.ensure_backward()
+        g = grad.reshape(-1, weight.geometry.shape[0])
+        dx = None
+        if _will_run(ctx, 0):  # the weight is re-gathered only when the input needs it
+            # With create_graph, dx stays differentiable in the weight, as autograd's is.
+            if torch.is_grad_enabled():
+                w = runtime.full_weight(ctx.param)
+            else:
+                w = runtime.gather(weight)
+            dx = (g @ w).reshape(x.shape)
+        if _will_run(ctx, 1):
+            dtype = runtime.reduce_dtype or g.dtype
+            runtime.reduce_grad(weight, weight_grad(g, x.reshape(-1, x.shape[-1]), dtype))
+        dbias = g.sum(0) if _will_run(ctx, 3) else None
+        return dx, None, None, dbias, None, None, None
+
+
+class ReplayedRegion(Protocol):
+    """A graphed region (graphs/region.py) as its replay sees it."""
+
+    def replay_forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    def replay_backward(
+        self, grads: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor | None, ...]: ...
+
+
+class RegionReplay(torch.autograd.Function):
+    """A graphed region's forward graph replayed, and its backward graph in the model's
+    backward; its inputs are the region's inputs, then its parameters."""
+
+    @staticmethod
+    def forward(ctx, region: ReplayedRegion, *inputs: torch.Tensor):  # type: ignore[override]
+        ctx.region = region
+        return region.replay_forward(inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        return (None, *ctx.region.replay_backward(grads))

@@ -1,0 +1,74 @@
+"""The per-weight lifecycle and the pure interception query, on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gtp_wrap import GTPWrap
+from gtp_wrap.api import engine_of
+from gtp_wrap.core.weight import GradState, ShardedWeight
+
+
+def _weight() -> ShardedWeight:
+    engine = engine_of(GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0}))
+    (weight,) = engine.weights
+    return weight
+
+
+def test_a_weight_used_twice_lands_once_its_last_gradient_landed() -> None:
+    w = _weight()
+    assert w.grad_state is GradState.NONE
+    w.grad_collected()
+    w.grad_collected()
+    w.grad_landed()
+    assert w.grad_state is GradState.PENDING  # one of its two gradients is still reducing
+    w.grad_landed()
+    assert w.grad_state is GradState.LANDED
+    w.backward_ended()
+    assert w.grad_state is GradState.NONE
+
+
+def test_transitions_out_of_order_raise() -> None:
+    w = _weight()
+    with pytest.raises(RuntimeError, match="never collected"):
+        w.grad_landed()
+    w.grad_collected()
+    with pytest.raises(RuntimeError, match="still pending"):
+        w.backward_ended()
+    with pytest.raises(RuntimeError, match="still pending"):
+        w.region_grad_landed()
+    w.abandon_grads()
+    assert w.grad_state is GradState.NONE and w.pending_grads == 0
+
+
+def test_every_weight_is_back_to_none_after_a_backward() -> None:
+    torch.manual_seed(0)
+    model = GTPWrap(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {"min_shard_numel": 0})
+    x = torch.randn(2, 8)
+    model(model[0](x)).sum().backward()  # the first Linear is used twice
+    engine = engine_of(model)
+    assert [w.grad_state for w in engine.weights] == [GradState.NONE] * 2
+    assert all(w.param.grad is not None for w in engine.weights)
+
+
+def test_intercepting_never_changes_state() -> None:
+    """Asked on every torch function, the query must not close an abandoned backward: that
+    happens where the next pass starts."""
+    torch.manual_seed(0)
+    model = GTPWrap(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), {"min_shard_numel": 0})
+    engine = engine_of(model)
+
+    def boom(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+
+    hook = model[0].register_forward_hook(boom)  # raises after the second Linear's backward
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(2, 8)).sum().backward()
+    hook.remove()
+    assert len(engine.passes.stack) == 1  # the abandoned backward
+    assert not engine.intercepting()
+    assert len(engine.passes.stack) == 1
+    model(torch.randn(2, 8)).sum().backward()  # the next forward closes it
+    assert engine.passes.stack == []
