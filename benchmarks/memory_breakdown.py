@@ -28,7 +28,7 @@ from gtp_wrap.app.launch import launch, under_torchrun
 _MAX_ENTRIES = 2_000_000  # allocation events kept; the analysis needs all of them
 
 # Frames that only pass a call through: the allocation belongs to what they call.
-_PASS_THROUGH = {"call_with_full_weights", "__torch_function__", "_full_weight", "forward"}
+_PASS_THROUGH = {"use", "__torch_function__", "full_weight", "forward"}
 
 
 def category(frames: list[dict]) -> str:

@@ -18,9 +18,7 @@ from .core.parameter import GTPParameter
 from .errors import WrapError
 from .io.state_dict import install_state_dict_hooks
 from .mesh import resolve_mesh
-from .runtime.engine import GTPEngine
-
-_ENGINE_ATTR = "_gtp_engine"
+from .runtime.engine import GTPEngine, attach, engine_of, is_wrapped
 
 
 def GTPWrap(  # noqa: N802 - the product's name, used like a class
@@ -42,9 +40,7 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
     forward/backward its sharded parameters hold this rank's rows. Every use inside a forward
     or backward sees the full weight, and after `loss.backward()` every `.grad` is reduced.
     """
-    if hasattr(module, _ENGINE_ATTR) or any(
-        isinstance(p, GTPParameter) for p in module.parameters()
-    ):
+    if is_wrapped(module) or any(isinstance(p, GTPParameter) for p in module.parameters()):
         raise WrapError(
             f"{type(module).__name__} (or a submodule) is already wrapped by GTPWrap; wrap the "
             "unwrapped model once"
@@ -65,23 +61,11 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
         )
     engine = GTPEngine(module, plans, resolved, resolve_mesh(mesh, device), device)
     install_state_dict_hooks(module, engine)
-    object.__setattr__(module, _ENGINE_ATTR, engine)
+    attach(module, engine)
     return module
 
 
-def is_wrapped(module: nn.Module) -> bool:
-    """Whether `module` is the root of a GTPWrap."""
-    return hasattr(module, _ENGINE_ATTR)
-
-
-def engine_of(module: nn.Module) -> GTPEngine:
-    """The engine of a wrapped module (a WrapError naming the fix if it is not wrapped)."""
-    engine = getattr(module, _ENGINE_ATTR, None)
-    if engine is None:
-        raise WrapError(
-            f"{type(module).__name__} is not wrapped; call GTPWrap(module, policy) first"
-        )
-    return engine
+__all__ = ["GTPWrap", "engine_of", "no_sync", "reset_stats", "stats"]
 
 
 @contextlib.contextmanager

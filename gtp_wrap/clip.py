@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import engine_of
+from .runtime.engine import engine_of
 
 _WHAT = "grad-norm all-reduce"
 

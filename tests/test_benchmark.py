@@ -41,7 +41,7 @@ def _benchmark_module(name: str):
 
 def test_memory_breakdown_names_what_is_live_at_the_peak() -> None:
     mb = _benchmark_module("memory_breakdown")
-    engine = [{"filename": "/x/gtp_wrap/engine.py", "name": "reduce_grad", "line": 1}]
+    engine = [{"filename": "/x/gtp_wrap/runtime/reduce.py", "name": "reduce_grad", "line": 1}]
     model = [{"filename": "/x/gtp_wrap/app/model.py", "name": "forward", "line": 65}]
     trace = [
         {"action": "alloc", "addr": 1, "size": 10, "frames": engine},
@@ -53,7 +53,7 @@ def test_memory_breakdown_names_what_is_live_at_the_peak() -> None:
     ]
     peak, groups = mb.peak_breakdown(trace, start=0)
     assert peak == 17
-    assert groups == {"gtp_wrap/engine.py:reduce_grad": 10, "backward (no Python frame)": 7}
+    assert groups == {"gtp_wrap/runtime/reduce.py:reduce_grad": 10, "backward (no Python frame)": 7}
     # Counting from event 4 on, the peak is 7 + 9 = 16, with the model's block live.
     assert mb.peak_breakdown(trace, start=4) == (
         16,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import caught, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -140,27 +140,19 @@ class _RankOrder(nn.Module):
         return second(first(x))
 
 
-def _caught(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test compares the type and message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def _bad_inputs(rank: int, world: int) -> dict:
     out = {}
     sub = dist.new_group([0])
-    out["mesh_size"] = _caught(lambda: GTPWrap(_mlp(), mesh=sub))
+    out["mesh_size"] = caught(lambda: GTPWrap(_mlp(), mesh=sub))
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("gtp", "dp"))
-    out["mesh_names"] = _caught(lambda: GTPWrap(_mlp(), mesh=mesh))
+    out["mesh_names"] = caught(lambda: GTPWrap(_mlp(), mesh=mesh))
     width = 8 if rank == 0 else 6
-    out["models_differ"] = _caught(lambda: GTPWrap(nn.Linear(4, width), {"min_shard_numel": 0}))
+    out["models_differ"] = caught(lambda: GTPWrap(nn.Linear(4, width), {"min_shard_numel": 0}))
     policy = {"min_shard_numel": 0, "group_numel": 0 if rank == 0 else 1 << 20}
-    out["policies_differ"] = _caught(lambda: GTPWrap(nn.Linear(4, 8), policy))
+    out["policies_differ"] = caught(lambda: GTPWrap(nn.Linear(4, 8), policy))
     torch.manual_seed(0)
     model = GTPWrap(_RankOrder(), {"min_shard_numel": 0, "collective_timeout_s": 20})
-    out["chain"] = _caught(lambda: model(torch.randn(2, 8)))
+    out["chain"] = caught(lambda: model(torch.randn(2, 8)))
     return out
 
 
@@ -182,7 +174,7 @@ def _missing_peer(rank: int, world: int) -> str:
     model = GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0, "collective_timeout_s": 2})
     if rank == 1:
         time.sleep(4)  # rank 1 is late: rank 0's gather must time out, not hang
-    return _caught(lambda: model(torch.randn(2, 8)))
+    return caught(lambda: model(torch.randn(2, 8)))
 
 
 _missing_peer.leaves_group_broken = True  # type: ignore[attr-defined]
@@ -202,9 +194,9 @@ def _failed_collective(rank: int, world: int) -> str:
     with torch.inference_mode():  # gloo cannot write into it outside inference mode
         out = torch.empty(16)
     (pending,) = engine.comm.all_gather(
-        [out], [torch.ones(8)], "all-gather of 'probe' (step {step})"
+        engine.mesh.gtp, [out], [torch.ones(8)], "all-gather of 'probe' (step {step})"
     )
-    got = _caught(lambda: engine.comm.wait(pending))
+    got = caught(lambda: engine.comm.wait(pending))
     engine.agreement.exchange("done", [])  # neither rank tears down while its peer still waits
     return got
 

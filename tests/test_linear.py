@@ -1,6 +1,6 @@
-"""The engine's own F.linear (gtp_wrap/linear.py, bf16 compute with fp32 reductions): every way
-a user asks autograd for gradients gives what autograd's linear gives, against an unwrapped
-float64 model on the same ranks' data."""
+"""The engine's own F.linear (gtp_wrap/runtime/uses.py, bf16 compute with fp32 reductions):
+every way a user asks autograd for gradients gives what autograd's linear gives, against an
+unwrapped float64 model on the same ranks' data."""
 
 from __future__ import annotations
 

@@ -53,6 +53,31 @@ def test_every_weight_is_back_to_none_after_a_backward() -> None:
     assert all(w.param.grad is not None for w in engine.weights)
 
 
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_a_hook_runs_once_when_a_weight_lands_twice_in_one_backward() -> None:
+    """With one weight per reduce group, the second use's gradient arrives after the first one
+    landed (LANDED -> PENDING -> LANDED): the hook still runs once, with the sum in `.grad`."""
+    torch.manual_seed(0)
+    ref = Twice()
+    torch.manual_seed(0)
+    model = GTPWrap(Twice(), {"min_shard_numel": 0, "group_numel": 0})
+    seen: list[torch.Tensor] = []
+    model.lin.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    x = torch.randn(2, 8)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], ref.lin.weight.grad)
+
+
 def test_intercepting_never_changes_state() -> None:
     """Asked on every torch function, the query must not close an abandoned backward: that
     happens where the next pass starts."""

@@ -114,10 +114,16 @@ class Comm:
         self.reduce_copies = make(4 * group_numel)
 
     def all_gather(
-        self, outs: list[torch.Tensor], shards: list[torch.Tensor], what: str, context: str = ""
+        self,
+        axis: MeshAxis,
+        outs: list[torch.Tensor],
+        shards: list[torch.Tensor],
+        what: str,
+        context: str = "",
     ) -> list[Pending]:
-        """Gather each shard into its output, all in one collective (one grouped NCCL launch);
-        a shard of another dtype than its output is cast on the way.
+        """Gather each shard into its output over `axis` (the weights' mesh role), all in one
+        collective (one grouped NCCL launch); a shard of another dtype than its output is cast
+        on the way. Copy-engine collectives, where set up, serve the gtp role.
 
         [Note: a Pending per output] Each output gets its own Pending, waited for by whoever uses
         that output: on NCCL a wait orders only the calling stream, so one wait for the group would
@@ -127,10 +133,10 @@ class Comm:
         if self.gather_copies is not None:  # casts on its own stream
             copies = self.gather_copies.all_gather(outs, shards)
             return [Pending((copies,), what, context) for _ in outs]
-        shards = [self._in_place(out, shard) for out, shard in zip(outs, shards)]
+        shards = [self._in_place(axis, out, shard) for out, shard in zip(outs, shards)]
         # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
         # checks per call, paid on every weight use.
-        group = self.gtp.group
+        group = axis.group
         assert group is not None  # a group of one gathers nothing
         if len(outs) > 1 and not self._gloo:
             work = group.allgather_into_tensor_coalesced(outs, shards)
@@ -138,27 +144,28 @@ class Comm:
         works = map(group._allgather_base, outs, shards)
         return [Pending((work,), what, context) for work in works]
 
-    def _in_place(self, out: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    def _in_place(self, axis: MeshAxis, out: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """A shard of another dtype than its gather, cast into this rank's part of the output,
         which the process group then gathers in place (NCCL and gloo allow it)."""
         if shard.dtype == out.dtype:
             return shard
-        own = out.view(self.gtp.size, -1)[self.gtp.rank]
+        own = out.view(axis.size, -1)[axis.rank]
         own.copy_(shard)
         return own
 
     def reduce_scatter(
-        self, outs: list[torch.Tensor], fulls: list[torch.Tensor], what: str
+        self, axis: MeshAxis, outs: list[torch.Tensor], fulls: list[torch.Tensor], what: str
     ) -> Pending:
-        """Reduce each full tensor and scatter it into its output, all in one collective."""
-        if self.gtp.size == 1:
+        """Reduce each full tensor over `axis` and scatter it into its output, all in one
+        collective."""
+        if axis.size == 1:
             for out, full in zip(outs, fulls):
                 out.copy_(full)
             return Pending((), what)
         if self.reduce_copies is not None:
             average = self.grad_op == dist.ReduceOp.AVG
             return Pending((self.reduce_copies.reduce_scatter(outs, fulls, average),), what)
-        group, opts = self.gtp.group, self._rs_opts
+        group, opts = axis.group, self._rs_opts
         assert group is not None
         if len(outs) > 1 and not self._gloo:
             return Pending((group.reduce_scatter_tensor_coalesced(outs, fulls, opts),), what)

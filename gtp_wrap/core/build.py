@@ -23,10 +23,10 @@ from ..comm.comm import Comm
 from ..config.plan import ParameterPlan
 from ..config.policy import GTPPolicy
 from ..errors import WrapError
+from ..geometry import lay_out
 from ..mesh import GTPMesh
 from ..precision import fp8
 from ..precision.encoding import FP8Packing, Precision, make_encodings
-from .geometry import lay_out
 from .parameter import make_gtp_parameter, register_with_optimizers
 from .storage import FlatStorage
 from .weight import CastWeight, Runtime, ShardedWeight

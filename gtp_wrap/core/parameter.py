@@ -65,7 +65,14 @@ class GTPParameter(nn.Parameter):
                 return func(*args, **kwargs)
         runtime = _runtime_of(args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
-            if runtime is None or not runtime.intercepting():
+            if runtime is None:
+                return func(*args, **kwargs)
+            if torch._C._current_graph_task_id() == -1:
+                # Outside backward, a backward pass still open is one that raised: closed at
+                # the first op on a parameter after it (the optimizer's, zero_grad's, the next
+                # forward's), before asking whether this op is a use.
+                runtime.close_abandoned_backward()
+            if not runtime.intercepting():
                 return func(*args, **kwargs)
             if func in _META_FUNCS:
                 args, kwargs = tree_map_only(GTPParameter, _meta, (args, kwargs))

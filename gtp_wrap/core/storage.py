@@ -1,5 +1,5 @@
 """Flat sharded storage: one flat tensor per dtype holding this rank's slots of every sharded
-weight (see core/geometry.py for where each slot lies), and, with a kept compute copy, a
+weight (see geometry.py for where each slot lies), and, with a kept compute copy, a
 same-layout copy in the compute dtype that gathers read.
 
 [Note: no flat gradient] Gradients are not kept here. Each weight's `.grad` is the slot its

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .geometry import ShardGeometry
+from ..geometry import ShardGeometry
 
 if TYPE_CHECKING:
     from ..mesh import MeshAxis
@@ -30,6 +30,10 @@ class Runtime(Protocol):
 
     def intercepting(self) -> bool:
         """Whether uses of managed parameters see full weights now (a pure query)."""
+        ...
+
+    def close_abandoned_backward(self) -> None:
+        """Close a backward pass left open by a backward that raised, if there is one."""
         ...
 
     def use(self, func: Callable, args: tuple, kwargs: dict) -> Any:

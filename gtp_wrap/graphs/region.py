@@ -13,11 +13,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..api import engine_of
 from ..core.parameter import GTPParameter
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError
-from ..runtime.engine import GTPEngine
+from ..runtime.engine import GTPEngine, engine_of
 from ..runtime.uses import RegionReplay
 from .capture import (
     Replay,

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from ..api import engine_of
 from ..errors import GraphCaptureError
+from ..runtime.engine import engine_of
 from .capture import (
     Replay,
     capture,

@@ -34,9 +34,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..api import engine_of, is_wrapped
-from ..core.geometry import row_block
 from ..errors import CheckpointError, GTPError
+from ..geometry import row_block
+from ..runtime.engine import engine_of, is_wrapped
 from .state_dict import full_state_dict, to_dtensor
 
 _NAME = re.compile(r"^ckpt_(\d{6})$")

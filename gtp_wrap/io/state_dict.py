@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..core.geometry import ShardGeometry
 from ..errors import WrapError
+from ..geometry import ShardGeometry
 from ..runtime.engine import GTPEngine
 
 

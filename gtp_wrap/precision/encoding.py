@@ -21,8 +21,8 @@ import dataclasses
 import torch
 
 from ..config.policy import GTPPolicy, policy_dtype
-from ..core.geometry import ShardGeometry
 from ..errors import PolicyError
+from ..geometry import ShardGeometry
 from . import fp8, fp8_triton
 
 

@@ -27,7 +27,7 @@ from ..errors import PolicyError
 from . import fp8_triton
 
 if TYPE_CHECKING:
-    from ..core.geometry import ShardGeometry
+    from ..geometry import ShardGeometry
 
 BLOCK = 128
 E4M3_MAX = 448.0

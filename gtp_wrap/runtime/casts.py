@@ -5,7 +5,7 @@ compute-dtype copies of replicated parameters, refreshed at most once per step.
 which every in-place update does, except fused optimizers (AdamW(fused=True) writes its
 parameters without moving it). So every optimizer step that holds an engine's parameters also
 marks its copies stale, through process-wide optimizer hooks installed at the first wrap; a
-replayed CUDA graph, which runs no Python, marks them itself (graphs/replay.py).
+replayed CUDA graph, which runs no Python, marks them itself (graphs/capture.py).
 """
 
 from __future__ import annotations

@@ -44,6 +44,27 @@ from .stats import Stats
 from .uses import Uses
 
 _engine_ids = itertools.count()
+_ENGINE_ATTR = "_gtp_engine"  # where a wrapped module keeps its engine
+
+
+def attach(module: nn.Module, engine: GTPEngine) -> None:
+    """Make `engine` the engine of the wrapped `module`."""
+    object.__setattr__(module, _ENGINE_ATTR, engine)
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether `module` is the root of a GTPWrap."""
+    return hasattr(module, _ENGINE_ATTR)
+
+
+def engine_of(module: nn.Module) -> GTPEngine:
+    """The engine of a wrapped module (a WrapError naming the fix if it is not wrapped)."""
+    engine = getattr(module, _ENGINE_ATTR, None)
+    if engine is None:
+        raise WrapError(
+            f"{type(module).__name__} is not wrapped; call GTPWrap(module, policy) first"
+        )
+    return engine
 
 
 class GTPEngine:
@@ -79,7 +100,7 @@ class GTPEngine:
         self.gatherer = Gatherer(self.weights, self.comm, self.passes, self.stats,
                                  self.precision, policy.prefetch_depth, self.ensure_backward,
                                  device)  # fmt: skip
-        self.reducer = GradReducer(self.comm, self.passes, self.stats, mesh.dp,
+        self.reducer = GradReducer(self.weights, self.comm, self.passes, self.stats, mesh.dp,
                                    policy.group_numel, self.reduce_dtype, self.ensure_backward,
                                    device)  # fmt: skip
         active = self.precision.param_dtype is not None or self.precision.fp8
@@ -121,6 +142,7 @@ class GTPEngine:
         names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
 
         def pre(module: nn.Module, args: Any, kwargs: dict) -> Any:
+            self.close_abandoned_backward()
             # Inside backward (a checkpoint recompute) uses are intercepted already.
             opened.append(not self.passes.stack and torch._C._current_graph_task_id() == -1)
             if not opened[-1]:
@@ -206,7 +228,8 @@ class GTPEngine:
 
     def close_abandoned_backward(self) -> None:
         """Drop a backward pass whose backward raised (see `Passes.abandoned`), with what it
-        left in flight; called where a new pass or a capture starts."""
+        left in flight: called outside backward by the first op on a parameter, and where a
+        forward or a capture starts."""
         if self.passes.abandoned():
             self.reducer.abandon()
             self.replicated.abandon()

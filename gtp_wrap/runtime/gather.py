@@ -117,7 +117,9 @@ class Gatherer:
             self.stats.bytes_gathered += buf.nbytes
         context = f"{state.kind.value} pass, "
         what = describe_group(weights, "all-gather of", weights[0].what_gather, context)
-        pendings = self.comm.all_gather([b.tensor for b in bufs], sends, what, context)
+        # A chain group's weights share their mesh role (the gtp group, the only one today).
+        axis = weights[0].axis
+        pendings = self.comm.all_gather(axis, [b.tensor for b in bufs], sends, what, context)
         self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.total_bytes())
         self.stats.gathers += len(weights)
         return [Gather(w, buf, pending) for w, buf, pending in zip(weights, bufs, pendings)]

@@ -47,6 +47,7 @@ class GradReducer:
 
     def __init__(
         self,
+        weights: list[ShardedWeight],
         comm: Comm,
         passes: Passes,
         stats: Stats,
@@ -56,6 +57,7 @@ class GradReducer:
         ensure_backward: Callable[[], None],
         device: torch.device,
     ) -> None:
+        self.weights = weights
         self.comm = comm
         self.passes = passes
         self.stats = stats
@@ -66,7 +68,9 @@ class GradReducer:
         self.device = device
         self._collecting = ReduceGroup()  # gradients not yet issued
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
-        self._landed: list[ShardedWeight] = []  # weights whose `.grad` this backward wrote
+        # Weights whose `.grad` this backward wrote, in the order they first landed: a weight
+        # used twice may land, take another gradient and land again, but its hooks run once.
+        self._landed: dict[ShardedWeight, None] = {}
         # Staging buffers by (numel, dtype); graphed regions keep theirs apart, as gathers do
         # (see [Note: graphed buffers]).
         self.eager: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
@@ -116,7 +120,8 @@ class GradReducer:
         what = describe_group(
             weights, "reduce-scatter of the gradients of", weights[0].what_reduce, ""
         )
-        group.pending = self.comm.reduce_scatter([g.out for g in group.grads], group.fulls, what)
+        outs = [g.out for g in group.grads]
+        group.pending = self.comm.reduce_scatter(weights[0].axis, outs, group.fulls, what)
         group.fulls = []  # the collective holds its inputs until it completes
         self.stats.reduce_scatters += len(weights)
         prev, self._reducing = self._reducing, group
@@ -140,7 +145,7 @@ class GradReducer:
             local = w.geometry.local_of_slot(g.out)
             w.grad_landed()
             if w.grad_state is GradState.LANDED:  # its last pending gradient
-                self._landed.append(w)
+                self._landed[w] = None
             if g.direct:
                 param.grad = local
                 continue
@@ -162,12 +167,12 @@ class GradReducer:
         """A graphed region's replay wrote these weights' `.grad`."""
         for w in weights:
             w.region_grad_landed()
-            self._landed.append(w)
+            self._landed[w] = None
 
     def end_backward(self, run_hooks: bool) -> None:
         """Return every landed weight to `NONE`, first running its users' hooks if asked (the
         model's own backward; a graphed region's warm-up and capture leave no trace)."""
-        landed, self._landed = self._landed, []
+        landed, self._landed = self._landed, {}
         # Still inside autograd's graph task, where a sharded parameter would read as its
         # gathered weight: the hooks see the shards, as outside backward.
         with torch._C.DisableTorchFunctionSubclass():
@@ -178,17 +183,15 @@ class GradReducer:
                         hook(w.param)
 
     def abandon(self) -> None:
-        """Forget a backward that raised: its collectives in flight and its pending grads."""
+        """Forget a backward that raised: its collectives in flight and its pending grads.
+        Every weight is reset, not only those of the groups: a collective that raised while
+        being issued or finalized leaves its group in neither."""
         for group in (self._collecting, self._reducing):
-            if group is None:
-                continue
-            if group.pending is not None:
+            if group is not None and group.pending is not None:
                 self.comm.abandon(group.pending)
-            for g in group.grads:
-                g.weight.abandon_grads()
-        for w in self._landed:
+        for w in self.weights:
             w.abandon_grads()
-        self._collecting, self._reducing, self._landed = ReduceGroup(), None, []
+        self._collecting, self._reducing, self._landed = ReduceGroup(), None, {}
 
     def in_flight(self) -> list[Pending]:
         """The reduce-scatter in flight, if any (for a fence before a graph replay)."""

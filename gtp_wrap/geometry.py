@@ -20,10 +20,18 @@ import torch
 _ALIGN_BYTES = 128
 
 
+_TAIL = 128  # every flat tensor ends on a whole block of this many elements (FP8's block)
+
+
+def rows_per_block(rows: int, parts: int) -> int:
+    """The height of each block when `rows` are split into `parts` as torch.chunk (and
+    DTensor's Shard) split them: ceil(rows / parts)."""
+    return -(-rows // parts)
+
+
 def row_block(rows: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, stop) of block `index` when `rows` are split into `parts` blocks as torch.chunk
-    (and DTensor's Shard) split them: ceil(rows / parts) each, the last ones shorter or empty."""
-    per = -(-rows // parts)
+    """[start, stop) of block `index` of that split; the last blocks shorter or empty."""
+    per = rows_per_block(rows, parts)
     start = min(rows, index * per)
     return start, min(rows, start + per)
 
@@ -53,7 +61,7 @@ class ShardGeometry:
 
     @functools.cached_property
     def rows_per_rank(self) -> int:
-        return -(-self.rows // self.world)
+        return rows_per_block(self.rows, self.world)
 
     @functools.cached_property
     def local_start(self) -> int:
@@ -121,8 +129,10 @@ def lay_out(
 ) -> tuple[list[ShardGeometry], dict[torch.dtype, int]]:
     """Lay the slots of weights (shape, shard dim, dtype) out back to back per dtype, each start
     aligned when asked; with a `block` (FP8 quantization) every slot starts and ends on a whole
-    block. Returns the geometries and each dtype's flat storage size."""
+    block. Returns the geometries and each dtype's flat storage size (the last slot's end, on a
+    whole block of `_TAIL` elements)."""
     ends: dict[torch.dtype, int] = {}
+    sizes: dict[torch.dtype, int] = {}
     geometries = []
     for shape, dim, dtype in specs:
         offset = ends.get(dtype, 0)
@@ -132,5 +142,6 @@ def lay_out(
         offset = -(-offset // block) * block
         geometry = ShardGeometry(shape, dim, rank, world, dtype, offset)
         ends[dtype] = offset + -(-geometry.slot_numel // block) * block
+        sizes[dtype] = offset + -(-geometry.slot_numel // _TAIL) * _TAIL
         geometries.append(geometry)
-    return geometries, ends
+    return geometries, sizes
