@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gtp_wrap import GTPWrap
@@ -97,3 +100,36 @@ def test_intercepting_never_changes_state() -> None:
     assert len(engine.passes.stack) == 1
     model(torch.randn(2, 8)).sum().backward()  # the next forward closes it
     assert engine.passes.stack == []
+
+
+class GradInsideForward(nn.Module):
+    """Its forward runs a backward of its own that raises after the engine joined it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+        with contextlib.suppress(RuntimeError):  # e.g. a probe that may fail
+            torch.autograd.grad(self.b(h).sum(), x)
+        # Reads outside their modules: no module hook runs before these uses.
+        h = torch.tanh(F.linear(x, self.a.weight, self.a.bias))
+        return F.linear(h, self.b.weight, self.b.bias)
+
+
+def test_a_backward_that_raised_inside_a_forward_leaves_that_forward_intact() -> None:
+    torch.manual_seed(0)
+    ref = GradInsideForward()
+    torch.manual_seed(0)
+    # bf16 over fp32: the engine's own linear joins the probe's backward (its input gradient).
+    bf16 = {"min_shard_numel": 0, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    model = GTPWrap(GradInsideForward(), bf16)
+    x = torch.randn(2, 8, requires_grad=True)
+    out = model(x)
+    assert engine_of(model).passes.stack == []  # the forward closed, not the stale backward
+    out.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(out.float(), ref(x), atol=0.02, rtol=0.02)
+    torch.testing.assert_close(model.b.weight.grad, ref.b.weight.grad, atol=0.05, rtol=0.05)
