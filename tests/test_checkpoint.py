@@ -284,3 +284,8 @@ def test_single_process_save_and_load_with_optimizer(tmp_path) -> None:
     assert ckpt.load(tmp_path, fresh, fresh_opt) == {"step": 1}
     _assert_same(_full_optimizer_state(fresh, fresh_opt), _full_optimizer_state(model, opt))
     _assert_same(gtp_wrap.full_state_dict(fresh), gtp_wrap.full_state_dict(model))
+
+
+def test_checkpoint_is_reachable_from_the_package() -> None:
+    """As the README uses it: `gtp_wrap.checkpoint.save` after `import gtp_wrap` alone."""
+    assert gtp_wrap.checkpoint.save is ckpt.save and gtp_wrap.CheckpointError is CheckpointError
