@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from harness import cached_ranks, run_ranks
+from harness import cached_ranks, mesh_2d, run_ranks
 from models import TinyGPT
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import gtp_wrap
@@ -58,7 +57,7 @@ def _full_optimizer_state(model, opt) -> dict[str, torch.Tensor]:
 
 
 def _mesh(kind: str):
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "gtp")) if kind == "2x2" else None
+    return mesh_2d(2, 2) if kind == "2x2" else None
 
 
 def _save_side(rank: int, world: int, root: str) -> dict:

@@ -14,14 +14,13 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from harness import cached_ranks
+from harness import cached_ranks, mesh_2d
 from parity_cases import (
     CASES,
     MESHES,
     model_of,
     train_case,
 )
-from torch.distributed.device_mesh import init_device_mesh
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
@@ -29,7 +28,7 @@ from gtp_wrap import GTPWrap
 
 def _mesh(kind: str):
     if kind == "2x2":
-        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "gtp"))
+        return mesh_2d(2, 2)
     return None
 
 

@@ -165,3 +165,12 @@ class CastWeight:
         if self.cast_version != self.param._version:
             self.cast.copy_(self.param)
             self.cast_version = self.param._version
+
+
+def describe_group(weights: list[ShardedWeight], action: str, one: str, context: str) -> str:
+    """The error description of a collective over `weights`: a weight's own (`one`, made at
+    wrap time), or for a group its first and last weights; Comm fills in the step."""
+    if len(weights) == 1:
+        return one
+    first, last = weights[0].fqn, weights[-1].fqn
+    return f"{action} '{first}' ... '{last}' ({len(weights)} weights, {context}step {{step}})"

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from ..comm.comm import Comm
-from ..core.weight import ShardedWeight
+from ..core.weight import ShardedWeight, describe_group
 from ..precision.encoding import Precision
 from .buffers import GatherBufferPool
-from .chain import Gather, PassState
+from .chain import Gather, PassKind, PassState
 from .passes import Passes
 from .stats import Stats
 
@@ -36,13 +36,7 @@ class SavedWeightView:
     storage_offset: int | torch.SymInt
 
 
-def describe_group(weights: list[ShardedWeight], action: str, one: str, context: str) -> str:
-    """The error description of a collective over `weights`: a weight's own (`one`, made at
-    wrap time), or for a group its first and last weights; Comm fills in the step."""
-    if len(weights) == 1:
-        return one
-    first, last = weights[0].fqn, weights[-1].fqn
-    return f"{action} '{first}' ... '{last}' ({len(weights)} weights, {context}step {{step}})"
+_CONTEXT = {kind: f"{kind.value} pass, " for kind in PassKind}  # for error descriptions
 
 
 class Gatherer:
@@ -115,7 +109,7 @@ class Gatherer:
             bufs.append(buf)
             sends.append(enc.send)
             self.stats.bytes_gathered += buf.nbytes
-        context = f"{state.kind.value} pass, "
+        context = _CONTEXT[state.kind]
         what = describe_group(weights, "all-gather of", weights[0].what_gather, context)
         # A chain group's weights share their mesh role (the gtp group, the only one today).
         axis = weights[0].axis

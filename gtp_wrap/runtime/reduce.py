@@ -15,10 +15,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..comm.comm import Comm, Pending
-from ..core.weight import GradState, ShardedWeight
+from ..core.weight import GradState, ShardedWeight, describe_group
 from ..errors import GraphCaptureError
 from ..mesh import MeshAxis
-from .gather import describe_group
 from .passes import Passes
 from .stats import Stats
 
