@@ -78,7 +78,7 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("bogus_option=1", "Could not override 'bogus_option'"),
         ("+policy.min_shard=3", "unknown GTPPolicy field(s) ['min_shard']"),
         ("nproc=4096", "nproc=4096 but this machine has"),
-        ("data.path=/no/such/file.txt", "data.path='/no/such/file.txt' does not exist"),
+        ("data.path=/no/such/file.txt", "does not exist; give a text file (its bytes are the"),
         ("mesh=[3,1]", "mesh=[3, 1] does not multiply to nproc=2"),
         ("device=tpu", "device='tpu': use auto"),
         ("mesh=[2]", "give two sizes, [dp, gtp]"),

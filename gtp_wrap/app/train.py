@@ -2,17 +2,24 @@
 
 Not under torchrun it starts `nproc` local ranks itself (gloo on CPU, NCCL with one rank per
 GPU); under torchrun it uses the ranks torchrun started. Bad input is refused with one message
-before any rank starts.
+before any rank starts. Rank 0 logs through `logging` (loggers under `gtp_wrap.app`) as Hydra set
+it up: the console and the run directory's train.log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.resources
+import logging
+import logging.config
 import math
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import torch
@@ -22,6 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import gtp_wrap
 from gtp_wrap import GTPPolicy, GTPWrap
@@ -35,8 +43,42 @@ from .data import DataConfig, DataError, TokenStream
 from .launch import LaunchError, check_local_devices, launch, under_torchrun
 from .model import GPT, GPTConfig
 
+# The built-in configs: the repository's configs/, shipped in the package as gtp_wrap.configs
+# (setup.cfg maps it), so an editable install sees edits to configs/ and a wheel carries a copy.
+CONFIG_DIR = str(importlib.resources.files("gtp_wrap.configs"))
 
-def _validate(cfg: dict) -> None:
+log = logging.getLogger("gtp_wrap.app.train")
+# The per-step lines: on a terminal the progress bar shows them, so they go to the log file only.
+progress = logging.getLogger("gtp_wrap.app.progress")
+
+# The longest run-directory name suffix kept as it is; file systems allow 255 bytes per name.
+_MAX_SUFFIX = 160
+
+
+def _run_suffix(override_dirname: str) -> str:
+    """`,key=value,...` from Hydra's override_dirname ('' when there is none), for out_dir.
+
+    A path's slashes become %2F so the name stays one directory; a suffix too long for a file
+    name is cut and ends in a hash of the whole, so different overrides still differ.
+    """
+    if not override_dirname:
+        return ""
+    suffix = "," + override_dirname.replace("/", "%2F")
+    if len(suffix) > _MAX_SUFFIX:
+        digest = hashlib.sha256(suffix.encode()).hexdigest()[:16]
+        suffix = f"{suffix[: _MAX_SUFFIX - 17]}-{digest}"
+    return suffix
+
+
+OmegaConf.register_new_resolver("gtp_run_suffix", _run_suffix, replace=True)
+
+
+def _checkpoints(run_dir: str) -> Path:
+    """Where a run keeps its checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
+def _validate(cfg: dict, run_dir: str) -> None:
     """Everything a user can get wrong, checked before any rank starts."""
     policy = resolve_policy(cfg["policy"])
     GPTConfig(**cfg["model"])
@@ -52,6 +94,8 @@ def _validate(cfg: dict) -> None:
     for key in ("steps", "batch", "seq", "accumulation", "eval_batches"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be a whole number >= 1")
+    if not isinstance(t["log_every"], int) or t["log_every"] < 0:
+        raise LaunchError(f"trainer.log_every={t['log_every']!r}: must be a whole number >= 0")
     if t["seq"] > cfg["model"]["max_seq"]:
         raise LaunchError(f"trainer.seq={t['seq']} exceeds model.max_seq={cfg['model']['max_seq']}")
     if not 0 < cfg["data"]["val_fraction"] < 1:
@@ -67,6 +111,12 @@ def _validate(cfg: dict) -> None:
         world = cfg["nproc"]
         if cfg["mesh"] is not None and math.prod(cfg["mesh"]) != world:
             raise LaunchError(f"mesh={cfg['mesh']} does not multiply to nproc={world}")
+    if not cfg["resume"] and (found := checkpoint.latest(_checkpoints(run_dir))) is not None:
+        raise LaunchError(
+            f"{run_dir} already holds checkpoints ({found.name}) that a fresh run would "
+            "overwrite; continue that run with resume=true, or start a new one elsewhere with "
+            "out_dir=<another directory>"
+        )
 
 
 def _lr_lambda(t: dict):
@@ -85,9 +135,38 @@ def _mean(value: torch.Tensor) -> float:
     return value.item() / (1 if value.is_cuda else dist.get_world_size())
 
 
-def train(device: torch.device, cfg: dict, run_dir: str) -> None:
-    """One rank's training loop."""
+@contextlib.contextmanager
+def _progress_bar(show: bool, total: int, initial: int) -> Iterator[tqdm]:
+    """The progress bar, shown only if `show` (rank 0, stderr a terminal).
+
+    While it shows, console log records are printed above it, and the per-step lines go to the
+    log files only. Without it (stderr a pipe or a file, where each refresh of a bar would be a
+    line), the per-step lines on the console are the progress.
+    """
+    if not show:
+        yield tqdm(disable=True)
+        return
+    progress.handlers = [
+        h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)
+    ]
+    progress.propagate = False
+    try:
+        with (
+            logging_redirect_tqdm(),
+            tqdm(total=total, initial=initial, desc="gtp-train", unit="step") as bar,
+        ):
+            yield bar
+    finally:
+        progress.handlers, progress.propagate = [], True
+
+
+def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> None:
+    """One rank's training loop. `job_logging` is Hydra's logging config of the launch."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and not logging.getLogger().handlers:
+        # A spawned rank starts with no logging set up (under torchrun Hydra has set up each
+        # process): log as the launching process does, to the console and the run's train.log.
+        logging.config.dictConfig(job_logging)
     out, t = Path(run_dir), cfg["trainer"]
     torch.manual_seed(cfg["seed"])
     model_cfg = GPTConfig(**cfg["model"])
@@ -103,7 +182,7 @@ def train(device: torch.device, cfg: dict, run_dir: str) -> None:
 
     history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     start = 0
-    ckpt_root = out / "checkpoints"
+    ckpt_root = _checkpoints(run_dir)
     if cfg["resume"] and (found := checkpoint.latest(ckpt_root)) is not None:
         extra = checkpoint.load(found, model, optim)
         start, history = extra["step"], extra["history"]
@@ -120,51 +199,56 @@ def train(device: torch.device, cfg: dict, run_dir: str) -> None:
         return _mean(total / t["eval_batches"])
 
     stop = t["steps"] if t["stop_at"] is None else min(t["stop_at"], t["steps"])
-    bar = tqdm(total=stop, initial=start, disable=rank != 0, desc="gtp-train", unit="step")
     tokens_per_step = world * t["batch"] * t["seq"] * t["accumulation"]
-    for step in range(start, stop):
-        began = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(t["accumulation"]):
-            x, y = (z.to(device) for z in data.batch("train", step, rank, micro, t["batch"]))
-            last = micro == t["accumulation"] - 1
-            with contextlib.nullcontext() if last else gtp_wrap.no_sync(model):
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / t["accumulation"]
-                loss.backward()
-            loss_sum += loss.detach()
-        if t["grad_clip"]:
-            gtp_wrap.clip_grad_norm_(model, t["grad_clip"])
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
-        loss_value = _mean(loss_sum)
-        elapsed = time.perf_counter() - began
-        history["step"].append(step + 1)
-        history["loss"].append(loss_value)
-        bar.set_postfix(
-            loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
-            step_ms=f"{1e3 * elapsed:.0f}",
-        )  # fmt: skip
-        bar.update()
-        if step == start:  # the summary shows the steady state: chains are recorded by now
-            gtp_wrap.reset_stats(model)
-        done = step + 1 == stop
-        if (t["eval_every"] and (step + 1) % t["eval_every"] == 0) or done:
-            history["val_step"].append(step + 1)
-            history["val_loss"].append(evaluate(step))
-            if rank == 0:
-                bar.write(f"step {step + 1}: validation loss {history['val_loss'][-1]:.4f}")
-        if (cfg["checkpoint"]["every"] and (step + 1) % cfg["checkpoint"]["every"] == 0) or done:
-            extra = {"step": step + 1, "history": history, "scheduler": sched.state_dict()}
-            checkpoint.save(ckpt_root, model, optim, extra=extra)
-            checkpoint.prune(ckpt_root, cfg["checkpoint"]["keep"])
-    bar.close()
+    with _progress_bar(rank == 0 and sys.stderr.isatty(), stop, start) as bar:
+        for step in range(start, stop):
+            began = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(t["accumulation"]):
+                x, y = (z.to(device) for z in data.batch("train", step, rank, micro, t["batch"]))
+                last = micro == t["accumulation"] - 1
+                with contextlib.nullcontext() if last else gtp_wrap.no_sync(model):
+                    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / t["accumulation"]
+                    loss.backward()
+                loss_sum += loss.detach()
+            if t["grad_clip"]:
+                gtp_wrap.clip_grad_norm_(model, t["grad_clip"])
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=True)
+            loss_value = _mean(loss_sum)
+            elapsed = time.perf_counter() - began
+            history["step"].append(step + 1)
+            history["loss"].append(loss_value)
+            bar.set_postfix(
+                loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
+                step_ms=f"{1e3 * elapsed:.0f}",
+            )  # fmt: skip
+            bar.update()
+            if rank == 0 and t["log_every"] and (step + 1) % t["log_every"] == 0:
+                progress.info(
+                    "step %d/%d: loss %.3f, %s tok/s, %.0f ms/step", step + 1, t["steps"],
+                    loss_value, f"{tokens_per_step / elapsed:,.0f}", 1e3 * elapsed,
+                )  # fmt: skip
+            if step == start:  # the summary shows the steady state: chains are recorded by now
+                gtp_wrap.reset_stats(model)
+            done = step + 1 == stop
+            if (t["eval_every"] and (step + 1) % t["eval_every"] == 0) or done:
+                history["val_step"].append(step + 1)
+                history["val_loss"].append(evaluate(step))
+                if rank == 0:
+                    log.info("step %d: validation loss %.4f", step + 1, history["val_loss"][-1])
+            every = cfg["checkpoint"]["every"]
+            if (every and (step + 1) % every == 0) or done:
+                extra = {"step": step + 1, "history": history, "scheduler": sched.state_dict()}
+                checkpoint.save(ckpt_root, model, optim, step=step + 1, extra=extra)
+                checkpoint.prune(ckpt_root, cfg["checkpoint"]["keep"])
 
     stats = gtp_wrap.stats(model)
     if rank == 0:
         rows = report.memory_rows(model, optim, model_cfg.n_params)
         table = report.summary_table(rows, stats, stop - start - 1)
-        print(f"\n{world} ranks, data: {data.source}\n{table}")
+        log.info("%d ranks, data: %s\n%s", world, data.source, table)
         report.plot_losses(history, out / "loss.png")
         report.write_metrics(
             out / "metrics.json",
@@ -176,23 +260,84 @@ def train(device: torch.device, cfg: dict, run_dir: str) -> None:
                 "stats": stats,
             },
         )
-        print(f"run directory: {out} (loss.png, metrics.json, checkpoints/)")
+        log.info("run directory: %s (train.log, loss.png, metrics.json, checkpoints/)", out)
 
 
-# The repository's configs/ (the package is installed editable, as the README says).
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+def _refuse(error: Exception) -> NoReturn:
+    """Bad input: one line on stderr, exit status 2, nothing started."""
+    print(f"gtp-train: {error}", file=sys.stderr)
+    sys.exit(2)
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _run(cfg: DictConfig) -> None:
+    """The Hydra task: validate the composed config, then start the ranks."""
     plain: Any = OmegaConf.to_container(cfg, resolve=True)
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
     try:
-        _validate(plain)
+        _validate(plain, run_dir)
     except (PolicyError, DataError, LaunchError, ValueError, TypeError) as e:
-        print(f"gtp-train: {e}", file=sys.stderr)
-        sys.exit(2)
-    run_dir = HydraConfig.get().runtime.output_dir
-    launch(train, plain["nproc"], plain, run_dir, cpu=plain["device"] == "cpu")
+        _refuse(e)
+    job_logging: Any = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)
+    launch(train, plain["nproc"], plain, run_dir, job_logging, cpu=plain["device"] == "cpu")
+
+
+_hydra_main: Callable[[], None] = hydra.main(
+    config_path=CONFIG_DIR, config_name="train", version_base="1.3"
+)(_run)
+
+# Config groups whose choice may be given as a YAML file's path.
+_FILE_GROUPS = ("policy", "model")
+
+
+def _file_choices(args: list[str], search_dir: Path) -> list[str]:
+    """The command-line overrides with `policy=<file>` / `model=<file>` made Hydra choices.
+
+    Hydra's config groups take names only. A path (an existing file, or a name ending in .yaml
+    or .yml) is linked as `<search_dir>/<group>/<stem>.yaml` and chosen by its stem, with
+    `search_dir` added to Hydra's search path: the file's own defaults list (e.g.
+    `[default, _self_]`) still finds the built-in configs of its group.
+    """
+    out, linked = [], False
+    for arg in args:
+        group, sep, value = arg.partition("=")
+        if group not in _FILE_GROUPS or not sep:
+            out.append(arg)
+            continue
+        file = Path(value).expanduser()
+        if not (file.is_file() or file.suffix in (".yaml", ".yml")):
+            out.append(arg)
+            continue
+        if not file.is_file():
+            raise LaunchError(
+                f"{arg}: no such file; give an existing YAML file or a built-in {group} name "
+                f"from {Path(CONFIG_DIR) / group}"
+            )
+        builtin = Path(CONFIG_DIR) / group / f"{file.stem}.yaml"
+        if builtin.is_file() and not builtin.samefile(file):
+            # Hydra's search path puts the built-in configs first: the file would be ignored.
+            raise LaunchError(
+                f"{arg}: {file.name} has the name of the built-in {builtin}, which Hydra would "
+                f"take instead; rename the file (e.g. my_{file.stem}.yaml)"
+            )
+        if not builtin.is_file():
+            (search_dir / group).mkdir(exist_ok=True)
+            (search_dir / group / f"{file.stem}.yaml").symlink_to(file.resolve())
+            linked = True
+        out.append(f"{group}={file.stem}")
+    if linked:
+        out.append(f"hydra.searchpath=['file://{search_dir}']")
+    return out
+
+
+def main() -> None:
+    """The `gtp-train` command: file paths for config groups turned into choices, then Hydra."""
+    with tempfile.TemporaryDirectory(prefix="gtp-train-") as search_dir:
+        try:
+            sys.argv[1:] = _file_choices(sys.argv[1:], Path(search_dir))
+        except LaunchError as e:
+            _refuse(e)
+        _hydra_main()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""The built-in gtp-train configs (train.yaml, model/, policy/), shipped as gtp_wrap.configs."""
