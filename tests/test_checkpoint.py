@@ -288,3 +288,181 @@ def test_single_process_save_and_load_with_optimizer(tmp_path) -> None:
 def test_checkpoint_is_reachable_from_the_package() -> None:
     """As the README uses it: `gtp_wrap.checkpoint.save` after `import gtp_wrap` alone."""
     assert gtp_wrap.checkpoint.save is ckpt.save and gtp_wrap.CheckpointError is CheckpointError
+
+
+def test_checkpoints_are_named_and_ordered_by_step(tmp_path) -> None:
+    """Folders are named by step; latest, prune and load order them by step, not by when they
+    were written or by name; without a step the number after the highest is taken."""
+    model = GTPWrap(_model(), POLICY)
+    assert ckpt.save(tmp_path, model, step=300, extra={"at": 300}).name == "step_000300"
+    assert ckpt.save(tmp_path, model, None, {"at": 50}, step=50).name == "step_000050"
+    assert ckpt.latest(tmp_path) == tmp_path / "step_000300"  # the highest, not the last
+    assert ckpt.save(tmp_path, model, extra={"at": 301}).name == "step_000301"
+    assert ckpt.save(tmp_path, model, step=1234567).name == "step_1234567"  # over six digits
+    assert ckpt.latest(tmp_path) == tmp_path / "step_1234567"
+    shutil.rmtree(tmp_path / "step_1234567")
+    # Saving a step again (a resumed run redoing it) replaces that checkpoint.
+    ckpt.save(tmp_path, model, step=300, extra={"at": "300 again"})
+    assert ckpt.load(tmp_path / "step_000300", TinyGPT(vocab=VOCAB)) == {"at": "300 again"}
+    # A checkpoint of the earlier naming (by serial number) counts with its number.
+    shutil.copytree(tmp_path / "step_000050", tmp_path / "ckpt_000302")
+    assert ckpt.latest(tmp_path) == tmp_path / "ckpt_000302"
+    assert ckpt.load(tmp_path, TinyGPT(vocab=VOCAB)) == {"at": 50}
+    ckpt.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000302", "step_000301"]
+    assert ckpt.save(tmp_path, model).name == "step_000303"
+    for bad in (-1, True, "7", 2.0):
+        with pytest.raises(CheckpointError, match=r"step must be an int >= 0"):
+            ckpt.save(tmp_path, model, step=bad)  # type: ignore[arg-type]
+
+
+def _save_with_steps(rank: int, world: int, root: str) -> dict:
+    model = GTPWrap(_model(), POLICY)
+    named = ckpt.save(root, model, step=40).name
+    try:
+        ckpt.save(root, model, step=41 + rank)
+        error = "no error"
+    except CheckpointError as e:
+        error = str(e)
+    return {"named": named, "error": error, "folders": sorted(p.name for p in Path(root).iterdir())}
+
+
+def test_ranks_passing_different_steps_is_an_error(tmp_path) -> None:
+    for r in run_ranks(_save_with_steps, 2, str(tmp_path)):
+        assert r["named"] == "step_000040"
+        assert "ranks passed different steps [41, 42]" in r["error"], r["error"]
+        assert r["folders"] == ["step_000040"]
+
+
+class _FusedQKV(torch.nn.Module):
+    """Owns one fused QKV weight, saved as separate Q, K, V copies (a state-dict post-hook on
+    this module) and merged back on load (a load pre-hook), through torch's public hook API."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.wqkv = torch.nn.Parameter(torch.randn(3 * d, d) / d**0.5)
+        self.register_state_dict_post_hook(_split_qkv("wqkv"))
+        self.register_load_state_dict_pre_hook(_merge_qkv("wqkv"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.wqkv.t()
+
+
+class _FusedLinearQKV(torch.nn.Module):
+    """The same around a child nn.Linear, the hooks on the parent, through the private API."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self._register_state_dict_hook(_split_qkv("qkv.weight"))
+        self._register_load_state_dict_pre_hook(_merge_qkv("qkv.weight"), with_module=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qkv(x)
+
+
+def _split_qkv(key: str):
+    def hook(module, sd, prefix, meta) -> None:
+        for name, part in zip("qkv", sd.pop(prefix + key).chunk(3)):
+            sd[f"{prefix}w{name}"] = part.clone()
+
+    return hook
+
+
+def _merge_qkv(key: str):
+    def hook(module, sd, prefix, *args) -> None:
+        if prefix + "wq" in sd:
+            sd[prefix + key] = torch.cat([sd.pop(f"{prefix}w{name}") for name in "qkv"])
+
+    return hook
+
+
+class _FusedModel(torch.nn.Module):
+    def __init__(self, seed: int, d: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b = _FusedQKV(d), _FusedLinearQKV(d)
+        self.out = torch.nn.Linear(3 * d, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.a(x) + self.b(x))
+
+
+# The fused weights (24 rows) and the head shard; 24 rows over 2 ranks split Q, K, V across them.
+FUSED_POLICY = {"rules": [{"match": "a.wqkv"}, {"match": "Linear"}]} | POLICY
+PROBE = torch.arange(24.0).reshape(3, 8) / 24
+
+
+def _fused_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of the real parameters (not the state dict's Q, K, V copies)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _fused_side(rank: int, world: int, root: str) -> dict:
+    model = GTPWrap(_FusedModel(seed=0), FUSED_POLICY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).square().sum().backward()
+    opt.step()
+    ckpt.save(root, model, opt, step=1)
+    dcp.save(model.state_dict(), checkpoint_id=f"{root}/dcp")
+    full = gtp_wrap.full_state_dict(model)
+    out = {"full": full, "weights": _fused_weights(model), "probe": model(PROBE).detach()}
+    out["loaded"] = {}
+    for how in ("checkpoint", "dcp", "full"):
+        fresh = GTPWrap(_FusedModel(seed=1), FUSED_POLICY)
+        if how == "checkpoint":
+            ckpt.load(root, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+        elif how == "dcp":
+            sd = fresh.state_dict()
+            dcp.load(sd, checkpoint_id=f"{root}/dcp")
+            fresh.load_state_dict(sd)
+        else:
+            gtp_wrap.load_full_state_dict(fresh, full)
+        out["loaded"][how] = {"weights": _fused_weights(fresh), "probe": fresh(PROBE).detach()}
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_load_runs_the_modules_state_dict_hooks(tmp_path, world: int) -> None:
+    """A module that saves its fused QKV weight as Q, K, V copies and merges them in a load
+    pre-hook gets its weights back, exactly, from every load path, wrapped or not."""
+    results = run_ranks(_fused_side, world, str(tmp_path))
+    full = results[0]["full"]
+    assert set(full) == {f"{m}.w{n}" for m in "ab" for n in "qkv"} | {"out.weight", "out.bias"}
+    plain_ref = _FusedModel(seed=0)
+    plain_ref.load_state_dict(full)  # the export holds the logical Q, K, V
+    for r in results:
+        _assert_same(r["full"], full, rtol=0, atol=0)
+        assert r["loaded"].keys() == {"checkpoint", "dcp", "full"}
+        for got in r["loaded"].values():
+            _assert_same(got["weights"], r["weights"], rtol=0, atol=0)
+            torch.testing.assert_close(got["probe"], r["probe"], rtol=0, atol=0)
+        torch.testing.assert_close(r["probe"], plain_ref(PROBE), rtol=1e-6, atol=1e-6)
+    plain = _FusedModel(seed=2)
+    ckpt.load(tmp_path, plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    _assert_same(_fused_weights(plain), _fused_weights(plain_ref), rtol=0, atol=0)
+    torch.testing.assert_close(plain(PROBE), results[0]["probe"], rtol=1e-6, atol=1e-6)
+
+
+class _LossyHooks(torch.nn.Module):
+    """Saves its weight doubled but loads it as is: load_state_dict(state_dict()) changes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self._register_state_dict_hook(_double_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _double_weight(module, sd, prefix, meta) -> None:
+    sd[prefix + "lin.weight"] = sd[prefix + "lin.weight"] * 2
+
+
+def test_hooks_that_do_not_round_trip_are_named(tmp_path) -> None:
+    model = GTPWrap(_LossyHooks(), POLICY)
+    ckpt.save(tmp_path, model, step=3)
+    with pytest.raises(CheckpointError, match=r"saved values: lin\.weight\. The model's"):
+        ckpt.load(tmp_path, GTPWrap(_LossyHooks(), POLICY))

@@ -1,6 +1,12 @@
 """Sharded, reshardable, atomic checkpoints of a model and its optimizer.
 
-Layout of one checkpoint directory `ckpt_NNNNNN/`:
+A directory of checkpoints holds one folder per checkpoint, named by its training step:
+`step_NNNNNN/` (six digits or more). `latest` and `load` take the highest step, `prune` keeps the
+highest ones. A save without a step takes the number after the highest there, so a loop that
+never passes one still gets increasing folders. Folders `ckpt_NNNNNN/` (the earlier naming, by
+serial number) still load and count with their number.
+
+Layout of one checkpoint folder:
 - `rank{r}.safetensors`: the pieces rank r owns: its rows of every sharded tensor (weights and
   their optimizer state) if it is the first replica along dp, and every replicated tensor if it
   is rank 0; plus its RNG states.
@@ -10,7 +16,7 @@ Layout of one checkpoint directory `ckpt_NNNNNN/`:
 
 [Note: no pickle, atomic publish] Everything is safetensors or JSON, so loading never unpickles
 (torch.distributed.checkpoint pickles its metadata). A checkpoint is written into
-`.tmp-ckpt_NNNNNN/` and renamed only after every rank reported its file written; a rank that fails
+`.tmp-step_NNNNNN/` and renamed only after every rank reported its file written; a rank that fails
 leaves the previous checkpoints as they were. Pieces are row ranges along one dim, so loading at
 another world size or mesh reads just the overlapping rows of each piece (safetensors slices without
 reading whole files).
@@ -19,6 +25,7 @@ reading whole files).
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 import shutil
@@ -39,7 +46,7 @@ from ..geometry import row_block
 from ..runtime.engine import engine_of, is_wrapped
 from .state_dict import full_state_dict, to_dtensor
 
-_NAME = re.compile(r"^ckpt_(\d{6})$")
+_NAME = re.compile(r"^(?:step|ckpt)_(\d{6,})$")
 _FORMAT = 1
 
 
@@ -160,24 +167,37 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
+    *,
+    step: int | None = None,
 ) -> Path:
     """Write a new checkpoint under `path` (a directory of checkpoints); every rank calls it.
 
-    `extra` is any JSON-serializable dict (step counters, data position, scheduler state); RNG
-    states are saved per rank. Returns the new checkpoint's directory. If any rank fails, the
-    new checkpoint is not published and the previous ones stay loadable.
+    The checkpoint's folder is `step_NNNNNN` for `step` (every rank passes the same); a
+    checkpoint of that step already there is replaced once the new one is complete. Without
+    `step`, the number is one more than the highest checkpoint's under `path`. `extra` is any
+    JSON-serializable dict (data position, scheduler state); RNG states are saved per rank.
+    Returns the new checkpoint's directory. If any rank fails, the new checkpoint is not
+    published and the previous ones stay loadable.
     """
     engine = engine_of(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     root = Path(path)
+    if step is not None:
+        step = _checked_step(step)
     root.mkdir(parents=True, exist_ok=True)
     names = (p.name.removeprefix(".tmp-") for p in root.iterdir())
-    serials = [int(m.group(1)) for n in names if (m := _NAME.match(n))]
-    name = f"ckpt_{max(serials, default=0) + 1:06d}"
+    numbers = [int(m.group(1)) for n in names if (m := _NAME.match(n))]
+    proposal = [step, 1] if step is not None else [max(numbers, default=0) + 1, 0]
     # Every rank derives the same name: agree on it before writing anything.
-    agreed = _exchange(engine, "checkpoint-name", [int(name[5:])], root)
-    name = f"ckpt_{max(v[0] for v in agreed):06d}"
+    agreed = _exchange(engine, "checkpoint-name", proposal, root)
+    if any(v != agreed[0] for v in agreed) and any(given for _, given in agreed):
+        steps = [n if given else None for n, given in agreed]
+        raise CheckpointError(
+            f"saving a checkpoint in {root}: ranks passed different steps {steps} (by rank); "
+            "pass every rank the same step"
+        )
+    name = f"step_{max(n for n, _ in agreed):06d}"
     tmp, final = root / f".tmp-{name}", root / name
     tmp.mkdir(exist_ok=True)
     try:
@@ -225,9 +245,33 @@ def save(
         ) from cause
     if rank == 0:
         (tmp / "meta.json").write_text(meta_text)
-        tmp.rename(final)
+        _publish(tmp, final)
     engine.agreement.exchange("checkpoint-published", [1])
     return final
+
+
+def _checked_step(step: Any) -> int:
+    """`step` as an int, or a CheckpointError if it is no training step (a bool, float, < 0)."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        value = -1
+    if isinstance(step, bool) or value < 0:
+        raise CheckpointError(f"step must be an int >= 0 (the training step), got {step!r}")
+    return value
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the written checkpoint into place; an older one of the same step (a resumed run
+    saving that step again) is moved aside first, since a rename cannot replace a folder."""
+    if not final.exists():
+        tmp.rename(final)
+        return
+    old = final.with_name(f".old-{final.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _exchange(engine: Any, purpose: str, values: list[int], root: Path) -> list[list[int]]:
@@ -259,21 +303,29 @@ def _param_groups(optimizer: torch.optim.Optimizer | None) -> list[dict]:
 # ---- load -----------------------------------------------------------------------------------
 
 
-def latest(path: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `path`, or None."""
-    root = Path(path)
+def _complete(root: Path) -> list[Path]:
+    """The complete checkpoints under `root`, lowest step first."""
     if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "meta.json").is_file()]
-    return max(done, key=lambda p: p.name, default=None)
+        return []
+    done = []
+    for p in root.iterdir():
+        if (m := _NAME.match(p.name)) and (p / "meta.json").is_file():
+            done.append((int(m.group(1)), p))
+    return [p for _, p in sorted(done)]
+
+
+def latest(path: str | os.PathLike) -> Path | None:
+    """The complete checkpoint of the highest step under `path`, or None."""
+    done = _complete(Path(path))
+    return done[-1] if done else None
 
 
 def prune(path: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints under `path` (rank 0 does it)."""
+    """Delete all but the `keep` complete checkpoints of the highest steps under `path` (rank 0
+    does it)."""
     if keep <= 0 or (dist.is_initialized() and dist.get_rank() != 0):
         return
-    done = sorted(p for p in Path(path).iterdir() if _NAME.match(p.name))
-    for old in done[:-keep]:
+    for old in _complete(Path(path))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -284,9 +336,11 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint into a model (wrapped at any mesh shape, or unwrapped) and optimizer.
 
-    `path` is a checkpoint directory or a directory of them (the newest complete one is taken).
-    Returns the `extra` dict given to `save`. Raises CheckpointError naming missing, unexpected
-    or mis-shaped keys, and files that are missing, truncated or corrupted.
+    `path` is a checkpoint directory or a directory of them (the complete one of the highest
+    step is taken). The model's weights go through its `load_state_dict`, so hooks it registered
+    to convert its state dict run as in any load. Returns the `extra` dict given to `save`.
+    Raises CheckpointError naming missing, unexpected or mis-shaped keys, entries the model did
+    not take as saved, and files that are missing, truncated or corrupted.
     """
     ckpt = Path(path)
     if not (ckpt / "meta.json").is_file():
@@ -308,9 +362,15 @@ def load(
         _drop_unsaved_state(model, optimizer, targets, pieces)
     _check_keys(ckpt, targets, pieces)
     reader = _Reader(ckpt)
+    model_sd: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for key, local, desc, _ in _pieces(targets):
-            local.copy_(reader.assemble(key, pieces[key], desc))
+            value = reader.assemble(key, pieces[key], desc)
+            if key.startswith("model/"):
+                model_sd[key.removeprefix("model/")] = _like(targets[key], value.to(local.device))
+            else:
+                local.copy_(value)
+    _load_model(ckpt, model, model_sd)
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():
@@ -326,6 +386,67 @@ def load(
         if "rng/cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["rng/cuda"])
     return meta["extra"]
+
+
+def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's part of a loaded tensor) as the kind of tensor `target` is."""
+    if not isinstance(target, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        target.device_mesh,
+        target.placements,
+        run_check=False,
+        shape=target.shape,
+        stride=target.stride(),
+    )
+
+
+def _load_model(ckpt: Path, model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
+    """Load the model's entries through `model.load_state_dict`, then check that it holds them.
+
+    [Note: load through the module's own path] The entries of `model.state_dict()` need not be
+    the parameters: a module's state-dict hooks may save copies (a fused QKV weight as separate
+    Q, K, V) and merge them back in a load pre-hook. Filling those entries in place would leave
+    the weights as they were, so the loaded tensors are handed to `load_state_dict`, which runs
+    the module's hooks. Reading the state dict back catches hooks that do not restore what they
+    saved, for the cost of a state dict and a comparison. A load issues no collective of its own
+    (a rank may load alone), so each rank checks its own entries.
+    """
+    try:
+        model.load_state_dict(loaded)
+    except RuntimeError as e:
+        raise CheckpointError(f"loading {ckpt} into {type(model).__name__} failed: {e}") from e
+    differ = []
+    for key, now in model.state_dict().items():
+        want = loaded.get(key)
+        if want is None or not _same_values(_local(now), _local(want)):
+            differ.append(key)
+    if differ:
+        raise CheckpointError(
+            f"after loading {ckpt}, entries of the model's state dict do not hold the saved "
+            f"values: {', '.join(differ[:20])}. The model's state-dict hooks do not round-trip "
+            "(load_state_dict(state_dict()) must restore every entry); fix the hooks of the "
+            "modules named"
+        )
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        return (value.to_local() if isinstance(value, DTensor) else value).detach()
+
+
+def _same_values(now: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether `now` holds `want` (cast to its dtype as a load does), NaNs where it has them."""
+    if now.shape != want.shape:
+        return False
+    want = want.to(now.device, now.dtype)
+    if now.is_floating_point() or now.is_complex():
+        nan = now.isnan()
+        if not torch.equal(nan, want.isnan()):
+            return False
+        now, want = now.masked_fill(nan, 0), want.masked_fill(nan, 0)
+    return torch.equal(now, want)
 
 
 def _read_json(path: Path) -> dict:

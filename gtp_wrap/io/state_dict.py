@@ -8,7 +8,8 @@ torch.chunk's block along the shard dim, which is what the flat storage keeps.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections import OrderedDict
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -48,7 +49,14 @@ def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
             owned.setdefault(id(module), (module, {}))[1][name] = w.geometry
     for module, by_name in owned.values():
         weights = list(by_name.items())
-        module._register_state_dict_hook(functools.partial(_to_dtensors, engine, weights))
+        handle = module._register_state_dict_hook(functools.partial(_to_dtensors, engine, weights))
+        # [Note: module hooks see logical weights] A module may convert its own state dict with
+        # hooks (a fused QKV weight saved as separate Q, K, V copies and merged back on load).
+        # Those hooks must see the weight's DTensor, not this rank's rows: the conversion runs
+        # before the module's post-hooks, and the load pre-hook (registered last) after the
+        # module's own, once they have put the logical weight back under its key.
+        hooks = cast("OrderedDict[int, Any]", module._state_dict_hooks)  # typed as a dict
+        hooks.move_to_end(handle.id, last=False)
         module._register_load_state_dict_pre_hook(
             functools.partial(_to_local, engine, module, weights)
         )
