@@ -1,16 +1,23 @@
-"""Rule matching: class names, dotted class paths, FQN globs, first match wins, size threshold."""
+"""Rule matching: class names, dotted class paths, FQN globs, first match wins, size threshold,
+the forms a policy takes, and the warnings for rules or wraps that do nothing."""
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
+import pytest
 import torch
 from models import ConvNet, TinyGPT
 from omegaconf import OmegaConf
 from torch import nn
 
-from gtp_wrap import GTPPolicy, GTPWrap, LayerRule
+from gtp_wrap import GTPPolicy, GTPWrap, LayerRule, PolicyError, PolicyWarning
 from gtp_wrap.config.plan import plan_parameters
 from gtp_wrap.config.policy import resolve_policy
 from gtp_wrap.core.parameter import GTPParameter
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _sharded(model: nn.Module, policy) -> dict[str, int | None]:
@@ -84,3 +91,80 @@ def test_single_process_wrap_keeps_outputs_and_names() -> None:
     GTPWrap(model, {"min_shard_numel": 0})
     assert [n for n, _ in model.named_parameters()] == names
     torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+
+
+def test_a_list_of_rules_is_a_policy() -> None:
+    rules = (LayerRule("Linear"), LayerRule("Embedding", dim=1))
+    expected = GTPPolicy(rules=rules)
+    assert resolve_policy(list(rules)) == resolve_policy(rules) == expected
+    assert resolve_policy([{"match": "Linear"}, {"match": "Embedding", "dim": 1}]) == expected
+    assert resolve_policy(OmegaConf.create([{"match": "Linear"}])) == GTPPolicy(rules=rules[:1])
+    model = GTPWrap(nn.Sequential(nn.Linear(128, 128)), [LayerRule("Linear")])
+    assert isinstance(model[0].weight, GTPParameter)
+
+
+@pytest.mark.parametrize("bad", [5, LayerRule("Linear"), {"rules": LayerRule("Linear")}])
+def test_a_policy_of_another_type_names_the_right_call(bad) -> None:
+    with pytest.raises(PolicyError, match=r"GTPPolicy\(rules=\[LayerRule\('Linear'\)\]\)"):
+        GTPWrap(nn.Linear(4, 4), bad)
+
+
+def test_one_default_min_shard_numel() -> None:
+    default = resolve_policy(CONFIG_DIR / "policy" / "default.yaml")
+    assert GTPPolicy().min_shard_numel == default.min_shard_numel == 1 << 14
+    assert GTPPolicy() == default  # the YAML spells out the defaults
+    # The README's first snippet shards a 128 x 128 weight.
+    readme = GTPPolicy(rules=[LayerRule("Linear"), LayerRule("Embedding")])
+    assert _sharded(nn.Sequential(nn.Linear(128, 128)), readme)["0.weight"] == 0
+
+
+def test_a_rule_matching_nothing_warns_with_close_matches() -> None:
+    model = ConvNet()
+    with pytest.warns(PolicyWarning, match=r"rule 'Linaer' matched no.*did you mean 'Linear'"):
+        plan_parameters(model, GTPPolicy(rules=(LayerRule("Linaer"), LayerRule("Conv2d"))))
+    with pytest.warns(PolicyWarning, match=r"'torch.nn.Conv3d'.*did you mean 'torch.nn.Conv2d'"):
+        plan_parameters(model, GTPPolicy(rules=(LayerRule("torch.nn.Conv3d"), LayerRule("Linear"))))
+    with pytest.warns(PolicyWarning, match=r"'hed.weight'.*did you mean 'head.weight'"):
+        plan_parameters(model, GTPPolicy(rules=(LayerRule("hed.weight"), LayerRule("Conv2d"))))
+    with pytest.raises(PolicyError, match="strict rule 'Linaer'.*drop strict=True"):
+        plan_parameters(model, GTPPolicy(rules=(LayerRule("Linaer", strict=True),)))
+    with pytest.raises(PolicyError, match=r"rule 'Linaer'.*drop GTPPolicy.strict"):
+        plan_parameters(model, GTPPolicy(rules=(LayerRule("Linaer"),), strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # The default rules fit any model: no Embedding or MultiheadAttention here is no mistake.
+        plan_parameters(model, GTPPolicy(min_shard_numel=0, strict=True))
+
+
+def test_a_wrap_that_shards_nothing_warns() -> None:
+    small = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with pytest.warns(PolicyWarning, match=r"shards no weight.*'0.weight', has 64 elements, below"):
+        GTPWrap(small)
+    with pytest.raises(PolicyError, match="shards no weight.*lower min_shard_numel"):
+        plan_parameters(small, GTPPolicy(strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan_parameters(small, GTPPolicy(rules=()))  # GTP off, as asked
+
+
+def test_a_shared_weight_matched_by_two_rules_says_which_won() -> None:
+    # Default rules: Embedding (through wte) and Linear (through head) shard it alike: no
+    # warning, the reason records it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plans = plan_parameters(TinyGPT(), GTPPolicy(min_shard_numel=0))
+    tied = next(p for p in plans if p.fqns == ("wte.weight", "head.weight"))
+    assert tied.rule == LayerRule("Linear") and tied.shard_dim == 0
+    assert tied.reason == (
+        "rule 'Linear'; shared as 'wte.weight', 'head.weight': also matched by rule 'Embedding' "
+        "through 'wte.weight', but rule 'Linear' (through 'head.weight') comes first in rule order"
+    )
+    # Rules that disagree (dim 1 against dim 0): the first in order wins, with a warning.
+    policy = GTPPolicy(
+        rules=(LayerRule("Embedding", dim=1), LayerRule("Linear")), min_shard_numel=0
+    )
+    with pytest.warns(
+        PolicyWarning, match=r"rule 'Embedding' \(through 'wte.weight'\) comes first"
+    ):
+        plans = plan_parameters(TinyGPT(), policy)
+    assert next(p for p in plans if "wte.weight" in p.fqns).shard_dim == 1

@@ -1,15 +1,36 @@
-"""Rule matching: the policy applied to a module's parameters, once, at wrap time."""
+"""Rule matching: the policy applied to a module's parameters, once, at wrap time.
+
+Each parameter's plan records why it is sharded or replicated (the deciding rule and the reason
+in words), which `gtp_wrap.describe` reports after wrapping. Mistakes that would otherwise pass
+silently warn with `PolicyWarning` (or raise PolicyError under `strict`): a rule that matches
+nothing, a policy that shards no weight, and a shared weight whose owners' rules disagree.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
+import warnings
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
-from ..errors import PolicyError
-from .policy import GTPPolicy, LayerRule
+from ..errors import PolicyError, PolicyWarning
+from .policy import DEFAULT_RULES, GTPPolicy, LayerRule
+
+# A parameter's owners: (its FQN through that owner, the owning module, its name there).
+_Entries = list[tuple[str, nn.Module, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Why one parameter is sharded or replicated: plain data, kept after wrapping."""
+
+    fqns: tuple[str, ...]
+    rule: LayerRule | None  # the rule that decided it; None: no rule matched it
+    reason: str  # in words: "rule 'Linear'", "below min_shard_numel (2048 < 16384)", ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,11 +41,24 @@ class ParameterPlan:
     owners: tuple[tuple[nn.Module, str], ...]
     param: nn.Parameter
     shard_dim: int | None  # None: replicated
+    rule: LayerRule | None  # as in Decision
+    reason: str
+    keep_dtype: bool  # a running-statistics norm's parameter, not cast (GTPPolicy.norm_in_fp32)
+
+    def decision(self) -> Decision:
+        """The decision alone, without references to the module or the parameter."""
+        return Decision(self.fqns, self.rule, self.reason)
+
+
+def is_stat_norm(module: nn.Module) -> bool:
+    """Whether `module` is a normalization layer with (optional) running statistics, which
+    computes in fp32 under a param_dtype (see GTPPolicy.norm_in_fp32)."""
+    return isinstance(module, _NormBase)
 
 
 def plan_parameters(module: nn.Module, policy: GTPPolicy) -> list[ParameterPlan]:
     """Apply `policy` to every unique parameter of `module`, in registration order."""
-    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    owners: dict[int, _Entries] = {}
     params: dict[int, nn.Parameter] = {}
     for mod_fqn, mod in module.named_modules(remove_duplicate=False):
         for name, p in mod._parameters.items():
@@ -39,43 +73,167 @@ def plan_parameters(module: nn.Module, policy: GTPPolicy) -> list[ParameterPlan]
     plans = []
     for key, p in params.items():
         entries = owners[key]
-        fqns = tuple(dict.fromkeys(f for f, _, _ in entries))
-        chosen = None
-        for i, rule in enumerate(policy.rules):
-            if _rule_matches(rule, rule_classes[i], p, entries):
-                chosen, used[i] = rule, True
-                break
-        shard_dim = None
-        if chosen is not None and chosen.action == "shard":
-            if chosen.dim >= p.dim():
-                raise PolicyError(
-                    f"rule {chosen.match!r} shards '{fqns[0]}' along dim {chosen.dim}, but that "
-                    f"parameter has shape {tuple(p.shape)}; use a dim below {p.dim()}"
-                )
-            if p.numel() >= policy.min_shard_numel and p.numel() > 0:
-                shard_dim = chosen.dim
+        matching = [
+            i
+            for i, rule in enumerate(policy.rules)
+            if _rule_matches(rule, rule_classes[i], p, entries)
+        ]
+        for i in matching:
+            used[i] = True
+        chosen = policy.rules[matching[0]] if matching else None
+        keep_dtype = (
+            policy.param_dtype is not None
+            and policy.norm_in_fp32
+            and any(is_stat_norm(mod) for _, mod, _ in entries)
+        )
+        shard_dim, reason = _decide(chosen, p, entries, policy, keep_dtype)
+        if len(entries) > 1 and matching:
+            reason += _shared_note(policy, rule_classes, p, entries, matching[0])
         plans.append(
             ParameterPlan(
-                fqns=fqns,
+                fqns=tuple(dict.fromkeys(f for f, _, _ in entries)),
                 owners=tuple((m, n) for _, m, n in entries),
                 param=p,
                 shard_dim=shard_dim,
+                rule=chosen,
+                reason=reason,
+                keep_dtype=keep_dtype,
             )
         )
     for rule, hit in zip(policy.rules, used):
-        if rule.strict and not hit:
+        if not hit and (rule.strict or (policy.strict and rule not in DEFAULT_RULES)):
+            why = "strict rule" if rule.strict else "rule"
             raise PolicyError(
-                f"strict rule {rule.match!r} matched no parameter of {type(module).__name__}; "
-                "check the class name or FQN glob, or drop strict=True"
+                f"{why} {rule.match!r} matched no parameter of {type(module).__name__}"
+                f"{_close_matches(rule, module)}; check the class name or FQN glob, or drop "
+                f"{'strict=True' if rule.strict else 'GTPPolicy.strict'}"
             )
+        if not hit and rule not in DEFAULT_RULES:
+            warnings.warn(
+                f"rule {rule.match!r} matched no parameter of {type(module).__name__}"
+                f"{_close_matches(rule, module)}; check the class name or FQN glob (strict=True "
+                "makes this an error)",
+                PolicyWarning,
+                stacklevel=3,
+            )
+    _check_something_sharded(module, policy, plans)
     return plans
+
+
+def _decide(
+    rule: LayerRule | None,
+    param: torch.Tensor,
+    entries: _Entries,
+    policy: GTPPolicy,
+    keep_dtype: bool,
+) -> tuple[int | None, str]:
+    """(shard dim or None, the reason in words) for a parameter that `rule` decides."""
+    if rule is None:
+        return None, "no rule"
+    if rule.action == "replicate":
+        return None, f"rule {rule.match!r} (replicate)"
+    if rule.dim >= param.dim():
+        raise PolicyError(
+            f"rule {rule.match!r} shards '{entries[0][0]}' along dim {rule.dim}, but that "
+            f"parameter has shape {tuple(param.shape)}; use a dim below {param.dim()}"
+        )
+    if keep_dtype:
+        # Gathered, it would arrive in param_dtype next to fp32 running statistics.
+        return None, "a running-statistics norm's, kept in fp32 (norm_in_fp32)"
+    if param.numel() == 0:
+        return None, "empty"
+    if param.numel() < policy.min_shard_numel:
+        return None, f"below min_shard_numel ({param.numel()} < {policy.min_shard_numel})"
+    return rule.dim, f"rule {rule.match!r}"
+
+
+def _shared_note(
+    policy: GTPPolicy,
+    rule_classes: list[type | None],
+    param: torch.Tensor,
+    entries: _Entries,
+    winner: int,
+) -> str:
+    """For a parameter shared by several owners whose own first matching rules differ: which
+    rule won and why, appended to its reason; a PolicyWarning too when the losing rule would
+    have decided otherwise (another action or dim), since the user may have meant it."""
+    firsts: dict[int, str] = {}
+    for entry in entries:
+        for i, rule in enumerate(policy.rules):
+            if _rule_matches(rule, rule_classes[i], param, [entry]):
+                firsts.setdefault(i, entry[0])
+                break
+    losers = [i for i in firsts if i != winner]
+    if not losers:
+        return ""
+    won = policy.rules[winner]
+    lost = ", ".join(f"rule {policy.rules[i].match!r} through '{firsts[i]}'" for i in losers)
+    detail = (
+        f"shared as {', '.join(repr(e[0]) for e in entries)}: also matched by {lost}, but rule "
+        f"{won.match!r} (through '{firsts[winner]}') comes first in rule order"
+    )
+    if any((policy.rules[i].action, policy.rules[i].dim) != (won.action, won.dim) for i in losers):
+        warnings.warn(
+            f"a parameter {detail}, so it takes action {won.action!r}, dim {won.dim}; reorder "
+            "the rules if the other was meant",
+            PolicyWarning,
+            stacklevel=4,
+        )
+    note = f"; {detail}"
+    return note
+
+
+def _check_something_sharded(
+    module: nn.Module, policy: GTPPolicy, plans: list[ParameterPlan]
+) -> None:
+    """A policy with shard rules that shards nothing (every weight below min_shard_numel, or
+    rules that miss) warns, or raises under GTPPolicy.strict; one without shard rules (GTP off,
+    `rules: []`) means it."""
+    if not plans or any(p.shard_dim is not None for p in plans):
+        return
+    if not any(rule.action == "shard" for rule in policy.rules):
+        return
+    candidates = [p for p in plans if p.rule is not None and p.rule.action == "shard"]
+    if candidates:
+        big = max(candidates, key=lambda p: p.param.numel())
+        fix = (
+            f"the largest weight a rule shards, '{big.fqns[0]}', has {big.param.numel()} "
+            f"elements, below min_shard_numel={policy.min_shard_numel}: lower min_shard_numel "
+            "(0 shards every matched weight)"
+        )
+    else:
+        fix = "no shard rule matched a weight of two or more dims: check the rules"
+    message = (
+        f"the policy shards no weight of {type(module).__name__}, so every parameter stays "
+        f"replicated: {fix}"
+    )
+    if policy.strict:
+        raise PolicyError(message + ", or drop GTPPolicy.strict")
+    warnings.warn(message, PolicyWarning, stacklevel=4)
+
+
+def _close_matches(rule: LayerRule, module: nn.Module) -> str:
+    """' (did you mean ...?)' with the model's class names or FQNs closest to `rule.match`."""
+    classes = {
+        c.__name__
+        for m in module.modules()
+        for c in type(m).__mro__
+        if c not in (nn.Module, object)
+    }
+    prefix, _, last = rule.match.rpartition(".")
+    if prefix and last[:1].isupper() and not rule.is_fqn_glob:  # a dotted class path
+        close = [f"{prefix}.{c}" for c in difflib.get_close_matches(last, sorted(classes))]
+    else:
+        names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_modules()}
+        close = difflib.get_close_matches(rule.match, sorted(classes | names - {""}))
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 def _rule_matches(
     rule: LayerRule,
     rule_class: type | None,
     param: torch.Tensor,
-    entries: list[tuple[str, nn.Module, str]],
+    entries: _Entries,
 ) -> bool:
     if rule.is_fqn_glob:
         return any(fnmatch.fnmatchcase(fqn, rule.match) for fqn, _, _ in entries)

@@ -41,8 +41,9 @@ class LayerRule:
     `match` is a class name (matched against the MRO of the module owning the parameter), a
     dotted class path (`"torch.nn.Linear"`), or a glob over parameter FQNs (`"layers.*.mlp.*"`).
     A class rule applies to the module's own parameters of two or more dims (weights, not
-    biases); an FQN rule applies to every parameter it names. With `strict=True` a rule that
-    matches nothing is an error instead of a silent no-op.
+    biases); an FQN rule applies to every parameter it names. A rule that matches nothing
+    warns (`PolicyWarning`, with close matches among the model's class names and FQNs); with
+    `strict=True` it is a PolicyError instead.
     """
 
     match: str
@@ -83,14 +84,28 @@ class LayerRule:
         return obj if isinstance(obj, type) else None
 
 
+# Meant for any model: one that matches nothing (no Embedding in a CNN) is not a mistake.
+DEFAULT_RULES = (
+    LayerRule(match="Linear", action="shard"),
+    LayerRule(match="Embedding", action="shard"),
+    LayerRule(match="MultiheadAttention", action="shard"),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class GTPPolicy:
     """What to shard and how the engine runs.
 
     Attributes:
-        rules: tried in order; the first rule matching a parameter decides it.
-        min_shard_numel: parameters smaller than this stay replicated whatever the rules say:
-            a collective costs ~150 us on NVLink below 1 MB, so tiny weights are cheaper to copy.
+        rules: tried in order; the first rule matching a parameter decides it. The default
+            shards the weights of Linear, Embedding and MultiheadAttention (its packed
+            `in_proj_weight`; `out_proj` is a Linear). A list of rules alone is accepted
+            wherever a policy is: `GTPWrap(model, [LayerRule("Linear")])`.
+        min_shard_numel: parameters with fewer elements than this (16384 = 128 x 128 by
+            default, as in configs/policy/default.yaml) stay replicated whatever the rules say:
+            their 1/N memory saving is negligible. A weight just above it does not pay a
+            collective's fixed latency (~150 us on NVLink below 1 MB) alone: consecutive
+            weights along a chain are gathered as one collective, up to `group_numel`.
         prefetch_depth: how many groups of gathers along the chain are in flight ahead of the
             current use's group.
         group_numel: consecutive uses along a chain are gathered as one collective until their
@@ -134,11 +149,8 @@ class GTPPolicy:
             the GPU (a CUDA error that ends the process) instead of raising CollectiveTimeoutError.
     """
 
-    rules: tuple[LayerRule, ...] = (
-        LayerRule(match="Linear", action="shard"),
-        LayerRule(match="Embedding", action="shard"),
-    )
-    min_shard_numel: int = 1 << 18
+    rules: tuple[LayerRule, ...] = DEFAULT_RULES
+    min_shard_numel: int = 1 << 14
     prefetch_depth: int = 1
     group_numel: int = 1 << 24
     pad_for_alignment: bool = True
@@ -150,6 +162,8 @@ class GTPPolicy:
     gather_dtype: str | None = None
     fp8_matmul: bool = False
     collectives: Collectives = "process_group"
+    norm_in_fp32: bool = True
+    strict: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -159,6 +173,8 @@ class GTPPolicy:
             ("pad_for_alignment", bool),
             ("fp8_matmul", bool),
             ("compute_copy", bool),
+            ("norm_in_fp32", bool),
+            ("strict", bool),
             ("collective_timeout_s", (int, float)),
         ):
             value = getattr(self, name)
@@ -181,6 +197,11 @@ class GTPPolicy:
             raise PolicyError(
                 "fp8_matmul feeds the gathered FP8 weights to the GEMM, so it needs "
                 "gather_dtype: fp8 and param_dtype: bfloat16 (the GEMM's output dtype)"
+            )
+        if not isinstance(self.rules, (list, tuple)):
+            raise PolicyError(
+                f"GTPPolicy.rules must be a list of rules, got {type(self.rules).__name__}; "
+                "e.g. GTPPolicy(rules=[LayerRule('Linear')])"
             )
         rules = tuple(_coerce_rule(r) for r in self.rules)
         object.__setattr__(self, "rules", rules)
@@ -211,16 +232,35 @@ def _coerce_rule(rule: Any) -> LayerRule:
     raise PolicyError(f"a rule must be a LayerRule or a mapping, got {type(rule).__name__}")
 
 
-def resolve_policy(policy: GTPPolicy | Mapping[str, Any] | str | os.PathLike | None) -> GTPPolicy:
-    """Turn any accepted form (policy, mapping, DictConfig, YAML path, None) into a GTPPolicy."""
+_POLICY_FORMS = (
+    "give a GTPPolicy (GTPWrap(model, GTPPolicy(rules=[LayerRule('Linear')]))), a mapping of its "
+    "fields ({'rules': [{'match': 'Linear'}], 'min_shard_numel': 0}), a list of rules "
+    "([LayerRule('Linear')]), a YAML file path, or None for the default policy"
+)
+
+
+def resolve_policy(
+    policy: GTPPolicy
+    | Mapping[str, Any]
+    | Sequence[LayerRule | Mapping[str, Any]]
+    | str
+    | os.PathLike
+    | None,
+) -> GTPPolicy:
+    """Turn any accepted form into a GTPPolicy: a policy, a mapping or DictConfig of its
+    fields, a list (or tuple, or ListConfig) of rules standing for `GTPPolicy(rules=...)`, a
+    YAML path, or None (the default policy). Anything else is a PolicyError naming the forms."""
     if policy is None:
         return GTPPolicy()
     if isinstance(policy, GTPPolicy):
         return policy
     if isinstance(policy, (str, os.PathLike)):
         policy = _load_yaml(os.fspath(policy))
+    policy = _to_container(policy)
+    if isinstance(policy, (list, tuple)):
+        policy = {"rules": policy}
     if not isinstance(policy, Mapping):
-        policy = _to_container(policy)
+        raise PolicyError(f"a policy cannot be a {type(policy).__name__}; {_POLICY_FORMS}")
     fields = {f.name for f in dataclasses.fields(GTPPolicy)}
     data = {k: v for k, v in dict(policy).items() if k != "_target_"}
     unknown = set(data) - fields
@@ -228,7 +268,10 @@ def resolve_policy(policy: GTPPolicy | Mapping[str, Any] | str | os.PathLike | N
         raise PolicyError(f"unknown GTPPolicy field(s) {sorted(unknown)}; valid: {sorted(fields)}")
     if "rules" in data:
         if not isinstance(data["rules"], Sequence) or isinstance(data["rules"], str):
-            raise PolicyError("GTPPolicy.rules must be a list of rules")
+            raise PolicyError(
+                f"GTPPolicy.rules must be a list of rules, got {type(data['rules']).__name__}; "
+                "e.g. GTPPolicy(rules=[LayerRule('Linear')])"
+            )
         data["rules"] = tuple(_coerce_rule(_to_container(r)) for r in data["rules"])
     try:
         return GTPPolicy(**data)

@@ -5,7 +5,9 @@ collective); the sharded weights are laid out in flat storage; every rank starts
 parameters and buffers (as DDP does); each rank copies its rows into the storage and registers
 a `GTPParameter` viewing them wherever the original parameter was registered; with a compute
 dtype, replicated floating-point parameters are registered as parameters read through a copy
-in that dtype. This is the part a meta-device init replaces.
+in that dtype, except those of running-statistics norms under `norm_in_fp32` (without it, their
+running statistics are cast to that dtype instead). The plans' decisions are kept for
+`gtp_wrap.describe`. This is the part a meta-device init replaces.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm.agreement import Agreement, first_difference, stable_hash
 from ..comm.comm import Comm
-from ..config.plan import ParameterPlan
+from ..config.plan import Decision, ParameterPlan, is_stat_norm
 from ..config.policy import GTPPolicy
 from ..errors import WrapError
 from ..geometry import lay_out
@@ -35,7 +37,7 @@ from .weight import CastWeight, Runtime, ShardedWeight
 # ranks that differ in one would pair unrelated collectives.
 AGREED_FIELDS = (
     "prefetch_depth", "group_numel", "loss_reduction", "param_dtype", "reduce_dtype",
-    "gather_dtype", "fp8_matmul", "collectives",
+    "gather_dtype", "fp8_matmul", "collectives", "norm_in_fp32",
 )  # fmt: skip
 
 # The parameters wrapping replaced (by id): an optimizer built before GTPWrap holds these, gets
@@ -44,6 +46,14 @@ _replaced: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDic
 # Optimizers checked, with how many parameters they held then (add_param_group adds more).
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _check_installed = False
+# Each wrapped root's plan decisions, in plan order: plain data, so the originals they were made
+# of (full parameters, modules) are not kept alive.
+_decisions: weakref.WeakKeyDictionary[nn.Module, tuple[Decision, ...]] = weakref.WeakKeyDictionary()
+
+
+def decisions_of(root: nn.Module) -> tuple[Decision, ...]:
+    """Why each parameter of the wrapped `root` is sharded or replicated, in plan order."""
+    return _decisions[root]
 
 
 def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -155,10 +165,15 @@ def build(
     replicated = [p for p in plans if p.shard_dim is None]
     cast_weights = []
     registered: list[nn.Parameter] = []
+    dtype = precision.param_dtype
     for plan in replicated:
         param = plan.param
-        dtype = precision.param_dtype
-        if dtype is None or not param.is_floating_point() or param.dtype == dtype:
+        if (
+            dtype is None
+            or plan.keep_dtype
+            or not param.is_floating_point()
+            or param.dtype == dtype
+        ):
             registered.append(param)
             continue
         # Read through a copy in the compute dtype (made once per step, runtime/casts.py), so
@@ -168,8 +183,21 @@ def build(
         _replace(plan, new)
         cast_weights.append(cast)
         registered.append(new)
+    if dtype is not None and not policy.norm_in_fp32:
+        _cast_norm_statistics(root, dtype)
     names = [plan.fqns[0] for plan in replicated]
+    _decisions[root] = tuple(plan.decision() for plan in plans)
     return Built(weights, storage, packing, cast_weights, registered, names)
+
+
+def _cast_norm_statistics(root: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating running statistics of every running-statistics norm to `dtype`, in
+    place, so they agree with its parameters cast to it (`norm_in_fp32: false`)."""
+    for module in root.modules():
+        if is_stat_norm(module):
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(dtype)
 
 
 def _sync_from_rank0(root: nn.Module, plans: list[ParameterPlan], comm: Comm) -> None:
