@@ -15,6 +15,7 @@ import sys
 from .api import GTPWrap, no_sync, reset_stats, stats
 from .clip import clip_grad_norm_
 from .config.policy import GTPPolicy, LayerRule
+from .describe import Description, ParameterRow, describe
 from .errors import (
     ChainMismatchError,
     CheckpointError,
@@ -22,11 +23,14 @@ from .errors import (
     CollectiveTimeoutError,
     GraphCaptureError,
     GTPError,
+    PeerFailedError,
     PolicyError,
+    PolicyWarning,
     WrapError,
 )
 from .graphs import graph_region, graph_step, release_graphs
 from .io import checkpoint
+from .io.pretrained import save_pretrained
 from .io.state_dict import full_state_dict, load_full_state_dict
 
 # `gtp_wrap.checkpoint` is the documented name of io/checkpoint.py: importable under it too.
@@ -37,15 +41,20 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "Description",
     "GTPError",
     "GraphCaptureError",
     "GTPPolicy",
     "GTPWrap",
     "LayerRule",
+    "ParameterRow",
+    "PeerFailedError",
     "PolicyError",
+    "PolicyWarning",
     "WrapError",
     "checkpoint",
     "clip_grad_norm_",
+    "describe",
     "full_state_dict",
     "graph_region",
     "graph_step",
@@ -53,5 +62,6 @@ __all__ = [
     "no_sync",
     "release_graphs",
     "reset_stats",
+    "save_pretrained",
     "stats",
 ]

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config.plan import plan_parameters
-from .config.policy import GTPPolicy, resolve_policy
+from .config.policy import PolicySpec, resolve_policy
 from .core.parameter import GTPParameter
 from .errors import WrapError
 from .io.state_dict import install_state_dict_hooks
@@ -23,7 +22,7 @@ from .runtime.engine import GTPEngine, attach, engine_of, is_wrapped
 
 def GTPWrap(  # noqa: N802 - the product's name, used like a class
     module: nn.Module,
-    policy: GTPPolicy | Mapping[str, Any] | str | os.PathLike | None = None,
+    policy: PolicySpec = None,
     *,
     mesh: DeviceMesh | dist.ProcessGroup | None = None,
 ) -> nn.Module:
@@ -31,8 +30,9 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
 
     Args:
         module: any nn.Module, already on its device (cuda for NCCL, cpu for gloo).
-        policy: a GTPPolicy, a mapping or OmegaConf config of its fields, a YAML file path, or
-            None for the default (shard Linear and Embedding weights of >= min_shard_numel).
+        policy: a GTPPolicy, a mapping or OmegaConf config of its fields, a list of LayerRules
+            (the rules of a default policy), a YAML file path, or None for the default (shard
+            Linear, Embedding and MultiheadAttention weights of >= min_shard_numel elements).
         mesh: a 1-D DeviceMesh or ProcessGroup (the GTP group), or a 2-D DeviceMesh with dims
             ("dp", "gtp"). Default: the whole world is one GTP group.
 

@@ -11,6 +11,11 @@ class PolicyError(GTPError, ValueError):
     """The sharding policy is invalid or does not fit the module (raised before any collective)."""
 
 
+class PolicyWarning(UserWarning):
+    """The policy does something the user likely did not mean (a rule that matches nothing, a
+    wrap that shards no weight); `strict=True` turns it into a PolicyError."""
+
+
 class WrapError(GTPError, RuntimeError):
     """The module or mesh cannot be wrapped as asked (raised before any collective)."""
 
@@ -21,6 +26,11 @@ class ChainMismatchError(GTPError, RuntimeError):
 
 class CollectiveError(GTPError, RuntimeError):
     """A collective failed for a reason other than a timeout; the message carries the cause."""
+
+
+class PeerFailedError(CollectiveError):
+    """A peer rank failed (an exception ended one of its passes) while this rank waited for it;
+    the message names the rank and its exception."""
 
 
 class CollectiveTimeoutError(GTPError, RuntimeError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import pytest
@@ -20,6 +19,7 @@ from gtp_wrap import (
     GTPPolicy,
     GTPWrap,
     LayerRule,
+    PeerFailedError,
     PolicyError,
     WrapError,
 )
@@ -150,6 +150,9 @@ def _bad_inputs(rank: int, world: int) -> dict:
     out["models_differ"] = caught(lambda: GTPWrap(nn.Linear(4, width), {"min_shard_numel": 0}))
     policy = {"min_shard_numel": 0, "group_numel": 0 if rank == 0 else 1 << 20}
     out["policies_differ"] = caught(lambda: GTPWrap(nn.Linear(4, 8), policy))
+    clipped = GTPWrap(_mlp(), {"min_shard_numel": 0})
+    clipped(torch.randn(2, 8)).sum().backward()
+    out["torch_clip"] = caught(lambda: torch.nn.utils.clip_grad_norm_(clipped.parameters(), 1.0))
     torch.manual_seed(0)
     model = GTPWrap(_RankOrder(), {"min_shard_numel": 0, "collective_timeout_s": 20})
     out["chain"] = caught(lambda: model(torch.randn(2, 8)))
@@ -164,6 +167,11 @@ def test_bad_inputs_across_ranks() -> None:
         assert out["models_differ"].startswith("WrapError: ranks disagree on parameter #0")
         assert out["policies_differ"].startswith("WrapError: ranks wrapped with different pol")
         assert "GTPPolicy.group_numel=" in out["policies_differ"]
+        # torch's clip would take each rank's norm of its own shards: refused, naming ours.
+        assert out["torch_clip"].startswith(
+            "WrapError: torch.nn.utils.clip_grad_norm_ read the gradient of '0.weight'"
+        ), out["torch_clip"]
+        assert "gtp_wrap.clip_grad_norm_(model, max_norm" in out["torch_clip"]
         assert out["chain"].startswith("ChainMismatchError"), out["chain"]
         assert "use #0 is rank 0: 'a.weight', rank 1: 'b.weight'" in out["chain"]
     assert "spans 1 ranks but the world has 2" in results[0]["mesh_size"]
@@ -184,9 +192,9 @@ def test_missing_peer_times_out_naming_the_weight() -> None:
     rank0, rank1 = run_ranks(_missing_peer, 2, timeout=120)
     assert rank0.startswith(CollectiveTimeoutError.__name__), rank0
     assert "all-gather of 'weight' (forward pass, step 0) did not complete within 2s" in rank0
-    # The late rank finds rank 0 gone (at its gather, or at the chain check rank 0 never
-    # reaches): an error on every rank, a hang on none.
-    assert rank1.startswith(CollectiveTimeoutError.__name__), rank1
+    # The late rank finds that rank 0 gave up, and why: an error on every rank, a hang on none.
+    assert rank1.startswith(PeerFailedError.__name__), rank1
+    assert "rank 0 failed in the forward pass of step 0 with CollectiveTimeoutError" in rank1
 
 
 def _failed_collective(rank: int, world: int) -> str:
@@ -221,8 +229,8 @@ def test_a_failed_collective_is_not_reported_as_a_timeout() -> None:
     ],
 )
 def test_peer_trouble_reads_as_a_timeout_and_local_failures_do_not(message, error) -> None:
-    what = Pending((), "all-gather of 'w' ({context}step {step})", "forward pass, ").describe(3)
-    got = wait_failure(RuntimeError(message), what, datetime.timedelta(seconds=1))
+    what = Pending((), "all-gather of 'w' ({context}step {step})", "forward pass, ", step=3)
+    got = wait_failure(RuntimeError(message), what.describe())
     assert type(got) is error
     assert "all-gather of 'w' (forward pass, step 3)" in str(got) and message in str(got)
 
@@ -240,6 +248,107 @@ def test_clip_takes_torchs_arguments_and_refuses_nonfinite_norms() -> None:
     got = gtp_wrap.clip_grad_norm_(model, 0.5, foreach=False)
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, foreach=False)
     torch.testing.assert_close(got, want)
+    # One process holds whole weights, so torch's own clip is right there and allowed.
+    torch.testing.assert_close(
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9),
+        gtp_wrap.clip_grad_norm_(model, 1e9),
+    )
     model[0].weight.grad[0, 0] = float("inf")
     with pytest.raises(RuntimeError, match="non-finite"):
         gtp_wrap.clip_grad_norm_(model, 0.5, error_if_nonfinite=True)
+
+
+# ---- ranks that diverge or fail: named within seconds, not after the timeout ----------------
+# Each case runs with a 60 s timeout and must end in a few seconds (comm/watch.py: a wait of
+# 1 s starts comparing what the ranks are blocked on).
+_FAST_S = 15.0
+
+
+def _three_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+
+def _diverging(rank: int, world: int, how: str) -> tuple[float, str]:
+    model = GTPWrap(_three_layers(), {"min_shard_numel": 0, "collective_timeout_s": 60})
+    x = torch.randn(2, 8)
+
+    def steps() -> None:
+        for step in range(3):
+            if how == "eval_on_rank_0":
+                model(x).sum().backward()
+                if rank == 0:  # evaluation on one rank only
+                    with torch.no_grad():
+                        model(x)
+            else:  # rank 1 skips the first layer at step 1
+                skip = rank == 1 and step == 1
+                h = x if skip else model[0](x)
+                model[2](h).sum().backward()
+
+    began = time.monotonic()
+    got = caught(steps)
+    return time.monotonic() - began, got
+
+
+_diverging.leaves_group_broken = True  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["eval_on_rank_0", "layer_skipped_on_rank_1"])
+def test_ranks_that_diverge_are_named_within_seconds(how: str) -> None:
+    (t0, got0), (t1, got1) = run_ranks(_diverging, 2, how, timeout=120)
+    assert max(t0, t1) < _FAST_S, (t0, t1)
+    # The rank that sees the deadlock first names both sides; its peer reports that rank's error.
+    first, second = (got0, got1) if got0.startswith("ChainMismatchError") else (got1, got0)
+    assert first.startswith("ChainMismatchError"), (got0, got1)
+    assert second.startswith(("ChainMismatchError", "PeerFailedError")), second
+    if how == "eval_on_rank_0":
+        assert "evaluation forward pass (no grad) of step 1" in first, first
+        assert "backward pass, step 1" in first, first
+    else:
+        assert "the ranks' collectives no longer pair" in first, first
+        assert "all-gather of '2.weight' (forward pass, step 1)" in first, first
+        assert "reduce-scatter of the gradient of '2.weight' (step 1)" in first, first
+
+
+class _FailsOnRank1AtStep1(nn.Module):
+    step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1 and self.step == 1:
+            raise RuntimeError("a bug in user code on rank 1")
+        return x
+
+
+def _failing_rank(rank: int, world: int) -> tuple[float, float, str]:
+    torch.manual_seed(0)
+    boom = _FailsOnRank1AtStep1()
+    model = nn.Sequential(nn.Linear(8, 8), boom, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    GTPWrap(model, {"min_shard_numel": 0, "collective_timeout_s": 60, "group_numel": 0})
+    x = torch.randn(2, 8)
+    # Step 0: rank 1 is slow (3 s) but healthy; rank 0's long wait must not raise.
+    began = time.monotonic()
+    if rank == 1:
+        time.sleep(3)
+    model(x).sum().backward()
+    slow_step = time.monotonic() - began
+    boom.step = 1
+    began = time.monotonic()
+    got = caught(lambda: model(x).sum().backward())
+    failed_after = time.monotonic() - began
+    if rank == 1:
+        time.sleep(8)  # the failed rank lives on (its error caught): its peer must not wait
+    return slow_step, failed_after, got
+
+
+_failing_rank.leaves_group_broken = True  # type: ignore[attr-defined]
+
+
+def test_a_rank_that_raises_mid_pass_is_named_by_its_peers_within_seconds() -> None:
+    (slow0, after0, got0), (_, _, got1) = run_ranks(_failing_rank, 2, timeout=120)
+    assert slow0 >= 2.5 and got1.startswith("RuntimeError: a bug in user code on rank 1"), got1
+    assert got0.startswith(PeerFailedError.__name__), got0
+    assert (
+        "rank 1 failed in the forward pass of step 1 with RuntimeError: a bug in user code on "
+        "rank 1; this rank was waiting for all-gather of '4.weight' (forward pass, step 1)"
+    ) in got0, got0
+    assert after0 < 5, after0  # before rank 1 exits (at 8 s), which would break the connection

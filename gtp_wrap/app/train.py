@@ -176,6 +176,8 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         mesh = init_device_mesh(device.type, tuple(cfg["mesh"]), mesh_dim_names=MESH_DIMS)
     policy: GTPPolicy = resolve_policy(cfg["policy"])
     GTPWrap(model, policy, mesh=mesh)
+    if rank == 0:
+        log.info("what the policy did (gtp_wrap.describe):\n%s", gtp_wrap.describe(model))
     optim = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(t))
     data = TokenStream(DataConfig(**cfg["data"]), t["seq"], model_cfg.vocab, cfg["seed"])

@@ -3,48 +3,55 @@
 [Note: agreement through the store] Agreement checks run exactly when ranks may have diverged
 (wrapping, a recorded chain, a capture, a checkpoint). A collective issued for the check could
 pair with a peer's stray gather and hang or mix data; the rendezvous store is a separate
-channel, so a missing peer ends in a timeout, never a mix-up.
+channel, so a missing peer ends in an error (comm/watch.py says which), never a mix-up.
 """
 
 from __future__ import annotations
 
-import datetime
 import zlib
 
 import torch.distributed as dist
 
 from ..errors import CollectiveTimeoutError
+from .watch import Blocked, Watch, store_wait
 
 
 class Agreement:
     """The exchanges of one engine, keyed by its tag so that engines never pair."""
 
-    def __init__(self, world_size: int, timeout_s: float, tag: str) -> None:
+    def __init__(self, world_size: int, watch: Watch) -> None:
         self.world_size = world_size
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.tag = tag
+        self.watch = watch
         self.count = 0  # exchanges made so far
         # The previous exchange's purpose and number, whose key to delete next. The key keeps
         # the check's purpose so that ranks at different checks never pair; so it cannot be
         # derived from the counter alone.
         self._previous = ""
 
-    def exchange(self, purpose: str, values: list[int]) -> list[list[int]]:
-        """Every world rank's `values` for the check `purpose`."""
+    def exchange(self, purpose: str, values: list[int], what: str = "") -> list[list[int]]:
+        """Every world rank's `values` for the check `purpose` (a key: no spaces). `what` says
+        in a user's words what the check is, for errors ("the check that ...")."""
         if self.world_size == 1:
             return [values]
         self.count += 1
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"gtp_wrap/{self.tag}/{purpose}/{self.count}"
+        prefix = f"gtp_wrap/{self.watch.tag}/{purpose}/{self.count}"
         store.set(f"{prefix}/{dist.get_rank()}", ",".join(map(str, values)))
         keys = [f"{prefix}/{r}" for r in range(dist.get_world_size())]
-        try:
-            store.wait(keys, self.timeout)
-        except RuntimeError as e:
-            raise CollectiveTimeoutError(
-                f"ranks did not all reach the '{purpose}' check within "
-                f"{self.timeout.total_seconds():g}s: a peer rank is missing or stuck. Cause: {e}"
-            ) from e
+        what = what or f"the '{purpose}' check"
+
+        def blocked() -> Blocked:
+            return self.watch.blocked("check", purpose, self.count, what)
+
+        def timed_out(seconds: float) -> CollectiveTimeoutError:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            return CollectiveTimeoutError(
+                f"rank(s) {missing} did not reach {what} within {seconds:g}s: they are stuck, "
+                "gone, or running other passes than this rank"
+            )
+
+        self.watch.wait(store_wait(store, keys), blocked, timed_out)
+        self.watch.checks = self.count
         out = []
         for key in keys:
             raw = store.get(key).decode()
@@ -52,7 +59,7 @@ class Agreement:
         # Every rank set this exchange's key after reading all of the previous one's, so no
         # one reads this rank's previous key anymore: the store keeps two exchanges, not all.
         if self.count > 1:
-            store.delete_key(f"gtp_wrap/{self.tag}/{self._previous}/{dist.get_rank()}")
+            store.delete_key(f"gtp_wrap/{self.watch.tag}/{self._previous}/{dist.get_rank()}")
         self._previous = f"{purpose}/{self.count}"
         return out
 

@@ -1,7 +1,8 @@
 """Collectives, with timeouts that name what was waited for.
 
 Every collective is issued asynchronously and completed through `Comm.wait`, the one place that
-turns a stuck collective into a CollectiveTimeoutError. On NCCL, `Work.wait()` only makes the
+turns a stuck collective into an error naming why (comm/watch.py: a peer that failed or
+diverged within seconds, else CollectiveTimeoutError). On NCCL, `Work.wait()` only makes the
 current stream wait (no host sync), and a timed wait would block the host, so the process
 group's own timeout (its watchdog) applies there instead.
 
@@ -22,11 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError, CollectiveTimeoutError, PolicyError
+from ..errors import CollectiveError, CollectiveTimeoutError, GTPError, PeerFailedError, PolicyError
 from ..mesh import GTPMesh, MeshAxis
 from . import copy_engine
 from .agreement import Agreement
 from .copy_engine import CopyEngineCollectives, StreamWork
+from .watch import Blocked, Watch, group_key, work_wait
 
 _MIN_WORKSPACE = 16 << 20  # bytes of copy-engine workspace, whatever group_numel says
 
@@ -35,14 +37,18 @@ _MIN_WORKSPACE = 16 << 20  # bytes of copy-engine workspace, whatever group_nume
 class Pending:
     """An issued collective (on gloo, a group's collectives) and a description of it for error
     messages: `what`, with `{context}` and `{step}` filled in only when something goes wrong
-    (descriptions are made once per weight at wrap time, not per use)."""
+    (descriptions are made once per weight at wrap time, not per use). `where` is its group
+    and `number` its first Work's number on that group, for comm/watch.py."""
 
     works: tuple[dist.Work | StreamWork, ...]
     what: str
     context: str = ""
+    where: str = ""
+    number: int = 0
+    step: int = 0  # the step it was issued in
 
-    def describe(self, step: int) -> str:
-        return self.what.format(context=self.context, step=step)
+    def describe(self) -> str:
+        return self.what.format(context=self.context, step=self.step)
 
 
 # How gloo words a peer that is late or gone ("Operation timed out!", "Application timeout
@@ -57,9 +63,15 @@ class Comm:
     group."""
 
     def __init__(
-        self, mesh: GTPMesh, timeout_s: float, average: bool, step: Callable[[], int]
+        self, mesh: GTPMesh, timeout_s: float, average: bool, step: Callable[[], int], watch: Watch
     ) -> None:
         self.mesh = mesh
+        self.watch = watch
+        # Works issued so far per group, keyed by the group's `where`: what a stuck wait posts.
+        axes = (mesh.gtp, mesh.dp, mesh.world)
+        self._where = {a.name: group_key(a.name, a.group) for a in axes if a.size > 1}
+        self.issued = watch.issued
+        self.issued.update(dict.fromkeys(self._where.values(), 0))
         self.gtp = mesh.gtp
         self.gather_copies: CopyEngineCollectives | None = None
         self.reduce_copies: CopyEngineCollectives | None = None
@@ -90,7 +102,9 @@ class Comm:
         one stream.)
         """
         reason = copy_engine.unsupported(device)
-        verdicts = agreement.exchange("copy-engine", [int(reason is None)])
+        verdicts = agreement.exchange(
+            "copy-engine", [int(reason is None)], "the check that every rank can use copy engines"
+        )
         unable = [rank for rank, (ok,) in enumerate(verdicts) if not ok]
         if unable:
             raise PolicyError(
@@ -140,9 +154,27 @@ class Comm:
         assert group is not None  # a group of one gathers nothing
         if len(outs) > 1 and not self._gloo:
             work = group.allgather_into_tensor_coalesced(outs, shards)
-            return [Pending((work,), what, context) for _ in outs]
-        works = map(group._allgather_base, outs, shards)
-        return [Pending((work,), what, context) for work in works]
+            return self._issued(axis, (work,), what, context, outputs=len(outs))
+        return [
+            self._issued(axis, (group._allgather_base(out, shard),), what, context)[0]
+            for out, shard in zip(outs, shards)
+        ]
+
+    def _issued(
+        self,
+        axis: MeshAxis,
+        works: tuple[dist.Work, ...],
+        what: str,
+        context: str = "",
+        outputs: int = 1,
+    ) -> list[Pending]:
+        """`outputs` Pendings of `works` just issued over `axis`, numbered on its group and
+        remembered for comm/watch.py."""
+        where = self._where[axis.name]
+        number, step = self.issued[where] + 1, self._step()
+        self.issued[where] += len(works)
+        self.watch.recent.append((where, number, len(works), what, context, step))
+        return [Pending(works, what, context, where, number, step) for _ in range(outputs)]
 
     def _in_place(self, axis: MeshAxis, out: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """A shard of another dtype than its gather, cast into this rank's part of the output,
@@ -168,10 +200,10 @@ class Comm:
         group, opts = axis.group, self._rs_opts
         assert group is not None
         if len(outs) > 1 and not self._gloo:
-            return Pending((group.reduce_scatter_tensor_coalesced(outs, fulls, opts),), what)
-        return Pending(
-            tuple(group._reduce_scatter_base(o, f, opts) for o, f in zip(outs, fulls)), what
-        )
+            work = group.reduce_scatter_tensor_coalesced(outs, fulls, opts)
+            return self._issued(axis, (work,), what)[0]
+        works = tuple(group._reduce_scatter_base(o, f, opts) for o, f in zip(outs, fulls))
+        return self._issued(axis, works, what)[0]
 
     def workspace_bytes(self, outside_allocator: bool = False) -> int:
         """Memory of the copy-engine workspaces (symmetric memory); with `outside_allocator`,
@@ -184,13 +216,15 @@ class Comm:
         if axis.size == 1:
             return Pending((), what)
         op = self.grad_op if op is None else op
-        return Pending((dist.all_reduce(t, op=op, group=axis.group, async_op=True),), what)
+        work = dist.all_reduce(t, op=op, group=axis.group, async_op=True)
+        return self._issued(axis, (work,), what)[0]
 
     def broadcast(self, t: torch.Tensor, what: str) -> Pending:
         """Rank 0's `t` on every rank."""
         if self.mesh.world_size == 1:
             return Pending((), what)
-        return Pending((dist.broadcast(t, src=0, async_op=True),), what)
+        work = dist.broadcast(t, src=0, async_op=True)
+        return self._issued(self.mesh.world, (work,), what)[0]
 
     def wait(self, pending: Pending, consume: bool = True) -> None:
         """Make the current stream (on gloo, the host) wait for `pending`; `consume`: for its
@@ -198,17 +232,30 @@ class Comm:
         works = pending.works
         if consume:
             pending.works = ()
-        for work in works:
-            self._wait_one(work, pending)
+        for i, work in enumerate(works):
+            self._wait_one(work, pending, pending.number + i)
 
-    def _wait_one(self, work: dist.Work | StreamWork, pending: Pending) -> None:
+    def _wait_one(self, work: dist.Work | StreamWork, pending: Pending, number: int) -> None:
         if not self._gloo or isinstance(work, StreamWork):
             work.wait()
             return
+        what = pending.describe()
+
+        def blocked() -> Blocked:
+            return self.watch.blocked("collective", pending.where, number, what)
+
+        def timed_out(seconds: float) -> CollectiveTimeoutError:
+            return CollectiveTimeoutError(
+                f"{what} did not complete within {seconds:g}s: a peer rank is missing or "
+                "stuck (raise GTPPolicy.collective_timeout_s if the peers are just slow)"
+            )
+
         try:
-            work.wait(self.timeout)
+            self.watch.wait(work_wait(work), blocked, timed_out)
         except RuntimeError as e:
-            raise wait_failure(e, pending.describe(self._step()), self.timeout) from e
+            if isinstance(e, GTPError):
+                raise
+            raise wait_failure(e, what, self.watch.peer_failure()) from e
 
     def abandon(self, pending: Pending) -> None:
         """Drop a collective no one will consume. A copy-engine collective is still waited for
@@ -220,15 +267,16 @@ class Comm:
 
 
 def wait_failure(
-    error: RuntimeError, what: str, timeout: datetime.timedelta
+    error: RuntimeError, what: str, peer_failure: PeerFailedError | None = None
 ) -> CollectiveError | CollectiveTimeoutError:
-    """The error to raise for a gloo wait that failed with `error`: a late or dead peer shows as
-    a timeout or a broken connection; any other failure is this rank's own (a bad buffer), and
-    "timeout" would misname it."""
+    """The error to raise for a gloo wait that failed with `error`: a dead peer shows as a
+    broken connection (named by its posted failure, where it posted one); any other failure is
+    this rank's own (a bad buffer), and blaming a peer would misname it."""
     if not any(k in str(error).lower() for k in _PEER_TROUBLE):
         return CollectiveError(f"{what} failed: {error}")
+    if peer_failure is not None:
+        return PeerFailedError(f"{what} failed: {peer_failure}")
     return CollectiveTimeoutError(
-        f"{what} did not complete within {timeout.total_seconds():g}s: a peer rank is missing, "
-        "crashed or used its weights in another order (raise GTPPolicy.collective_timeout_s "
-        f"if the peers are just slow). Cause: {error}"
+        f"{what} failed: a peer rank closed its connection (it exited or crashed; its own log "
+        f"says why) or timed out. Cause: {error}"
     )

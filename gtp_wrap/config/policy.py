@@ -239,14 +239,18 @@ _POLICY_FORMS = (
 )
 
 
-def resolve_policy(
-    policy: GTPPolicy
+# Every form GTPWrap takes a policy in (see resolve_policy).
+PolicySpec = (
+    GTPPolicy
     | Mapping[str, Any]
     | Sequence[LayerRule | Mapping[str, Any]]
     | str
     | os.PathLike
-    | None,
-) -> GTPPolicy:
+    | None
+)
+
+
+def resolve_policy(policy: PolicySpec) -> GTPPolicy:
     """Turn any accepted form into a GTPPolicy: a policy, a mapping or DictConfig of its
     fields, a list (or tuple, or ListConfig) of rules standing for `GTPPolicy(rules=...)`, a
     YAML path, or None (the default policy). Anything else is a PolicyError naming the forms."""

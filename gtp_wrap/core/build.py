@@ -104,7 +104,11 @@ def check_ranks_agree(plans: list[ParameterPlan], policy: GTPPolicy, agreement: 
         stable_hash(f"{p.fqns[0]}|{tuple(p.param.shape)}|{p.param.dtype}|{p.shard_dim}")
         for p in plans
     ]
-    diff = first_difference(agreement.exchange("wrap", sigs))
+    diff = first_difference(
+        agreement.exchange(
+            "wrap", sigs, "the check that every rank wrapped the same model with the same policy"
+        )
+    )
     if diff is None:
         return
     pos, _ = diff

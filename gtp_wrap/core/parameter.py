@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,8 @@ _META_FUNCS = frozenset(
 # Attribute getters that return a tensor computed from the weight: they are uses.
 _TENSOR_GETTERS = frozenset(getattr(torch.Tensor, name).__get__ for name in ("T", "mT", "H", "mH"))
 _ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
+_GRAD_GET = frozenset({torch.Tensor.grad.__get__})  # type: ignore[union-attr]
+_TORCH_CLIP_FILE = sys.modules["torch.nn.utils.clip_grad"].__file__
 
 
 class OpenPasses:
@@ -60,6 +64,8 @@ class GTPParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if func in _GRAD_GET:
+            _refuse_per_rank_clip(args[0])
         if not OpenPasses.count and torch._C._current_graph_task_id() == -1:
             with torch._C.DisableTorchFunctionSubclass():  # optimizer steps, state dicts
                 return func(*args, **kwargs)
@@ -109,6 +115,33 @@ class GTPParameter(nn.Parameter):
                 hook(p)
 
         return super().register_post_accumulate_grad_hook(on_the_parameter)
+
+
+def _refuse_per_rank_clip(param: GTPParameter) -> None:
+    """[Note: torch's clip on shards] `torch.nn.utils.clip_grad_norm_(model.parameters())`
+    would compute each rank's norm of its own rows of every sharded gradient, so ranks would
+    clip by different factors, silently. FSDP2 avoids it with DTensor gradients, whose norm
+    reduces across ranks; a shard's `.grad` here is a plain tensor of the shard's shape (what
+    any optimizer needs), so the mistake is refused where torch's function reads the gradient
+    of a weight sharded over more than one rank."""
+    weight = param.gtp_weight
+    if type(weight) is not ShardedWeight or weight.axis.size == 1:
+        return
+    frame: types.FrameType | None = sys._getframe(2)  # torch's comprehension, or its caller
+    for _ in range(3):
+        if frame is None:
+            return
+        code = frame.f_code
+        if code.co_filename == _TORCH_CLIP_FILE and code.co_name == "clip_grad_norm_":
+            raise WrapError(
+                f"torch.nn.utils.clip_grad_norm_ read the gradient of '{weight.fqn}', which "
+                f"holds only this rank's rows: each of the {weight.axis.size} ranks would "
+                "compute the norm of its own shards and clip by a different factor. Use "
+                "gtp_wrap.clip_grad_norm_(model, max_norm, norm_type, ...): the same arguments "
+                "with the wrapped model in place of its parameters, and the norm over every "
+                "rank's shards"
+            )
+        frame = frame.f_back
 
 
 # The in-place Python operators; PyTorch's in-place ops end in one underscore.

@@ -106,7 +106,9 @@ def capture(
     except Exception as e:
         error = e
         graph.reset()
-    outcomes = engine.agreement.exchange(f"capture-{what}", [int(error is None)])
+    outcomes = engine.agreement.exchange(
+        f"capture-{what}", [int(error is None)], f"the end of the CUDA-graph capture of {what}"
+    )
     if isinstance(error, GTPError):
         raise error
     if error is not None:

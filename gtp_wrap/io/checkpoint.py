@@ -190,7 +190,7 @@ def save(
     numbers = [int(m.group(1)) for n in names if (m := _NAME.match(n))]
     proposal = [step, 1] if step is not None else [max(numbers, default=0) + 1, 0]
     # Every rank derives the same name: agree on it before writing anything.
-    agreed = _exchange(engine, "checkpoint-name", proposal, root)
+    agreed = _exchange(engine, "checkpoint-name", proposal, root, "the start of a checkpoint save")
     if any(v != agreed[0] for v in agreed) and any(given for _, given in agreed):
         steps = [n if given else None for n, given in agreed]
         raise CheckpointError(
@@ -233,7 +233,9 @@ def save(
         cause: Exception | None = None
     except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
         cause = e
-    status = _exchange(engine, "checkpoint-written", [int(cause is not None)], root)
+    status = _exchange(
+        engine, "checkpoint-written", [int(cause is not None)], root, "the end of a checkpoint save"
+    )
     failed = [r for r, (flag,) in enumerate(status) if flag]
     if failed:
         if rank == 0:
@@ -246,7 +248,7 @@ def save(
     if rank == 0:
         (tmp / "meta.json").write_text(meta_text)
         _publish(tmp, final)
-    engine.agreement.exchange("checkpoint-published", [1])
+    engine.agreement.exchange("checkpoint-published", [1], "the publishing of a checkpoint")
     return final
 
 
@@ -274,12 +276,14 @@ def _publish(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _exchange(engine: Any, purpose: str, values: list[int], root: Path) -> list[list[int]]:
+def _exchange(
+    engine: Any, purpose: str, values: list[int], root: Path, what: str
+) -> list[list[int]]:
     try:
-        return engine.agreement.exchange(purpose, values)
+        return engine.agreement.exchange(purpose, values, what)
     except GTPError as e:
         raise CheckpointError(
-            f"saving a checkpoint in {root} failed: not every rank reached '{purpose}' ({e}). "
+            f"saving a checkpoint in {root} failed: not every rank reached {what} ({e}). "
             f"The new checkpoint was not published; the previous checkpoints are intact"
         ) from e
 

@@ -56,7 +56,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
             write(save_directory, state_dict=full, is_main_process=True, **kwargs)
         except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
             cause = e
-    status = engine.agreement.exchange("pretrained-written", [int(cause is not None)])
+    status = engine.agreement.exchange(
+        "pretrained-written", [int(cause is not None)], "the end of save_pretrained"
+    )
     if status[0][0]:
         here = f": {type(cause).__name__}: {cause}" if cause is not None else "; see its error"
         raise CheckpointError(

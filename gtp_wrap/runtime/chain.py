@@ -25,6 +25,18 @@ class PassKind(enum.Enum):
     FORWARD_NO_GRAD = "forward_no_grad"
     BACKWARD = "backward"
 
+    @property
+    def label(self) -> str:
+        """The pass in a user's words, for messages."""
+        return _LABELS[self]
+
+
+_LABELS = {
+    PassKind.FORWARD: "forward pass",
+    PassKind.FORWARD_NO_GRAD: "evaluation forward pass (no grad)",
+    PassKind.BACKWARD: "backward pass",
+}
+
 
 @dataclasses.dataclass
 class Gather:
@@ -90,6 +102,12 @@ class PassState:
     def key(self) -> tuple[PassKind, str | None, str | None]:
         """Which recorded chain this pass follows."""
         return self.kind, self.scope, self.opener
+
+    def describe(self, step: int) -> str:
+        """This pass in a user's words: "the forward pass of 'embed' in step 3"."""
+        of = f" of '{self.opener}'" if self.opener else ""
+        region = f" in graphed region '{self.scope}'" if self.scope else ""
+        return f"the {self.kind.label}{of}{region} of step {step}"
 
     def expects(self, index: int) -> bool:
         """Whether the next use in the recorded chain is the weight `index`."""

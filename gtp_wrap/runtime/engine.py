@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..comm.agreement import Agreement
 from ..comm.comm import Comm
+from ..comm.watch import Watch
 from ..config.plan import ParameterPlan
 from ..config.policy import GTPPolicy
 from ..core.build import build, check_ranks_agree, install_process_hooks
@@ -84,12 +85,13 @@ class GTPEngine:
         self.step = 0  # finished backward passes of the model
         self.stats = Stats()
         timeout = policy.collective_timeout_s
-        self.agreement = Agreement(mesh.world_size, timeout, tag=str(next(_engine_ids)))
+        self.watch = Watch(str(next(_engine_ids)), timeout)
+        self.agreement = Agreement(mesh.world_size, self.watch)
         check_ranks_agree(plans, policy, self.agreement)
         self.precision = Precision.resolve(policy, mesh.gtp.size, device)
         self.reduce_dtype = self.precision.reduce_dtype
         average = policy.loss_reduction == "mean"
-        self.comm = Comm(mesh, timeout, average, step=lambda: self.step)
+        self.comm = Comm(mesh, timeout, average, step=lambda: self.step, watch=self.watch)
         if policy.collectives == "copy_engine" and mesh.gtp.size > 1:
             self.comm.use_copy_engine(self.agreement, device, policy.group_numel)
         built = build(root, plans, policy, self.precision, mesh, self.comm, self, device)
@@ -165,6 +167,7 @@ class GTPEngine:
     ) -> Any:
         """Open a forward pass of `module` (its forward pre-hook); returns converted inputs."""
         self.close_abandoned_backward()  # a forward inside backward nests in its pass
+        self.watch.recovered()
         grad = torch.is_grad_enabled()
         if grad and self.passes.scope is None and self.mesh.world_size > 1:
             self.replicated.hook_unfrozen()
@@ -190,8 +193,12 @@ class GTPEngine:
         state = self.passes.stack[-1]
         if state.exit_hooks is not None:
             state.exit_hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
-        # always_call hooks run inside forward's `except` clause when forward raised.
-        self._end_pass(failed=sys.exc_info()[1] is not None)
+        # always_call hooks run inside forward's `except` clause when forward raised: the
+        # peers waiting for this pass's collectives learn of it (comm/watch.py).
+        error = sys.exc_info()[1]
+        if error is not None:
+            self.watch.failed(error, f"in {state.describe(self.step)}")
+        self._end_pass(failed=error is not None)
 
     def ensure_backward(self) -> None:
         """Open the backward pass, unless one is open: called by everything backward runs of
@@ -231,6 +238,10 @@ class GTPEngine:
         left in flight: called outside backward by the first op on a parameter, and where a
         forward or a capture starts."""
         if self.passes.abandoned():
+            state = self.passes.stack[-1]
+            self.watch.failed(
+                RuntimeError("its backward raised"), f"in {state.describe(self.step)}"
+            )
             self.reducer.abandon()
             self.replicated.abandon()
             self._end_pass(failed=True)

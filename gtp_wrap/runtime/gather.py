@@ -36,7 +36,7 @@ class SavedWeightView:
     storage_offset: int | torch.SymInt
 
 
-_CONTEXT = {kind: f"{kind.value} pass, " for kind in PassKind}  # for error descriptions
+_CONTEXT = {kind: f"{kind.label}, " for kind in PassKind}  # for error descriptions
 
 
 class Gatherer:

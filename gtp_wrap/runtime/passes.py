@@ -84,14 +84,16 @@ class Passes:
         if state.followed_chain() or not self._records:
             return
         purpose = f"chain-{state.kind.value}-{state.scope}-{state.opener}"
-        diff = first_difference(self._agreement.exchange(purpose, state.recorded))
+        which = state.describe(self._step())
+        what = f"the check that every rank used the same weights in the same order in {which}"
+        diff = first_difference(self._agreement.exchange(purpose, state.recorded, what))
         if diff is not None:
             pos, entries = diff
             names = [self._weights[e].fqn if e is not None else "<end of pass>" for e in entries]
             per_rank = ", ".join(f"rank {r}: '{n}'" for r, n in enumerate(names))
             raise ChainMismatchError(
-                f"ranks used their sharded weights in different orders in the {state.kind.value}"
-                f" pass of step {self._step()}: use #{pos} is {per_rank}. GTP gathers weights "
+                f"ranks used their sharded weights in different orders in {which}: use #{pos} is "
+                f"{per_rank}. GTP gathers weights "
                 "collectively, so every rank must run the same weights in the same order "
                 "(make data-dependent branches agree across ranks)"
             )
