@@ -11,7 +11,6 @@ import dataclasses
 
 from torch import nn
 
-from .core.build import decisions_of
 from .core.weight import CastWeight
 from .runtime.engine import engine_of
 
@@ -113,7 +112,7 @@ def describe(model: nn.Module) -> Description:
     engine = engine_of(model)
     sharded = {w.fqn: w for w in engine.weights}
     rows = []
-    for decision in decisions_of(model):
+    for decision in engine.decisions:
         fqn, aliases = decision.fqns[0], decision.fqns[1:]
         rule = decision.rule.match if decision.rule is not None else None
         w = sharded.get(fqn)

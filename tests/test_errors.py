@@ -325,11 +325,15 @@ def _failing_rank(rank: int, world: int) -> tuple[float, float, str]:
     model = nn.Sequential(nn.Linear(8, 8), boom, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     GTPWrap(model, {"min_shard_numel": 0, "collective_timeout_s": 60, "group_numel": 0})
     x = torch.randn(2, 8)
-    # Step 0: rank 1 is slow (3 s) but healthy; rank 0's long wait must not raise.
+    # Step 0: rank 1 is slow (3 s) but healthy, and runs its step inside an `except` block (a
+    # retry after an error it handled): rank 0's long wait must not raise.
     began = time.monotonic()
-    if rank == 1:
-        time.sleep(3)
-    model(x).sum().backward()
+    try:
+        raise ValueError("handled before the step")
+    except ValueError:
+        if rank == 1:
+            time.sleep(3)
+        model(x).sum().backward()
     slow_step = time.monotonic() - began
     boom.step = 1
     began = time.monotonic()
@@ -351,4 +355,37 @@ def test_a_rank_that_raises_mid_pass_is_named_by_its_peers_within_seconds() -> N
         "rank 1 failed in the forward pass of step 1 with RuntimeError: a bug in user code on "
         "rank 1; this rank was waiting for all-gather of '4.weight' (forward pass, step 1)"
     ) in got0, got0
+    assert after0 < 5, after0  # before rank 1 exits (at 8 s), which would break the connection
+
+
+def _failing_backward(rank: int, world: int) -> tuple[float, str]:
+    model = GTPWrap(_three_layers(), {"min_shard_numel": 0, "collective_timeout_s": 60})
+    x = torch.randn(2, 8)
+    model(x).sum().backward()
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory in backward on rank 1")
+
+    def hook_activation(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(fail)
+
+    if rank == 1:  # raises mid-backward: after the last layer's backward, before the others'
+        model[3].register_forward_hook(hook_activation)
+    out = model(x)
+    began = time.monotonic()
+    got = caught(lambda: out.sum().backward())
+    if rank == 1:
+        caught(lambda: model(x))  # it carries on: its next forward closes that backward
+        time.sleep(8)
+    return time.monotonic() - began, got
+
+
+_failing_backward.leaves_group_broken = True  # type: ignore[attr-defined]
+
+
+def test_a_rank_whose_backward_raised_is_named_by_its_peers() -> None:
+    (after0, got0), (_, got1) = run_ranks(_failing_backward, 2, timeout=120)
+    assert got1.startswith("RuntimeError: out of memory in backward on rank 1"), got1
+    assert got0.startswith(PeerFailedError.__name__), got0
+    assert "rank 1 failed in the backward pass of step 1" in got0, got0
     assert after0 < 5, after0  # before rank 1 exits (at 8 s), which would break the connection

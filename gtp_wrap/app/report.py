@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gtp_wrap.runtime.chain import PassKind
+
 MiB = 2**20
 
 
@@ -46,7 +48,9 @@ def summary_table(rows: list[tuple], stats: dict, steps: int) -> str:
         f"(prefetched {stats['prefetched_gathers'] / per:.0f}, "
         f"blocking {stats['blocking_gathers'] / per:.1f})",
         "blocking gathers by pass: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(stats["blocking_by_pass"].items()))
+        + ", ".join(
+            f"{PassKind(k).label} {v}" for k, v in sorted(stats["blocking_by_pass"].items())
+        )
         + " (one chain head per pass; an eval pass records its chain the first time)",
         f"bytes per step: gathered {stats['bytes_gathered'] / per / MiB:.1f} MiB, "
         f"reduce-scattered {stats['bytes_reduced'] / per / MiB:.1f} MiB; "

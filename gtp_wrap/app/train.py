@@ -189,6 +189,13 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         extra = checkpoint.load(found, model, optim)
         start, history = extra["step"], extra["history"]
         sched.load_state_dict(extra["scheduler"])
+    elif cfg["resume"] and rank == 0:  # a requeued job's first attempt, or a renamed run
+        log.warning(
+            "resume=true, but %s holds no checkpoint: starting at step 0. The run directory "
+            "is named by the overrides that change training (a new trainer.steps names a new "
+            "one); out_dir=<its directory> continues an earlier run",
+            ckpt_root,
+        )
 
     def evaluate(step: int) -> float:
         model.eval()

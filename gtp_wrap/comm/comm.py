@@ -69,7 +69,7 @@ class Comm:
         self.watch = watch
         # Works issued so far per group, keyed by the group's `where`: what a stuck wait posts.
         axes = (mesh.gtp, mesh.dp, mesh.world)
-        self._where = {a.name: group_key(a.name, a.group) for a in axes if a.size > 1}
+        self._where = {a.name: group_key(a.group) for a in axes if a.size > 1}
         self.issued = watch.issued
         self.issued.update(dict.fromkeys(self._where.values(), 0))
         self.gtp = mesh.gtp
@@ -168,8 +168,10 @@ class Comm:
         context: str = "",
         outputs: int = 1,
     ) -> list[Pending]:
-        """`outputs` Pendings of `works` just issued over `axis`, numbered on its group and
-        remembered for comm/watch.py."""
+        """`outputs` Pendings of `works` just issued over `axis`; on gloo, whose waits block
+        the host and are watched, numbered on its group and remembered for comm/watch.py."""
+        if not self._gloo:
+            return [Pending(works, what, context) for _ in range(outputs)]
         where = self._where[axis.name]
         number, step = self.issued[where] + 1, self._step()
         self.issued[where] += len(works)
@@ -239,15 +241,15 @@ class Comm:
         if not self._gloo or isinstance(work, StreamWork):
             work.wait()
             return
-        what = pending.describe()
 
         def blocked() -> Blocked:
-            return self.watch.blocked("collective", pending.where, number, what)
+            return self.watch.blocked("collective", pending.where, number, pending.describe())
 
         def timed_out(seconds: float) -> CollectiveTimeoutError:
             return CollectiveTimeoutError(
-                f"{what} did not complete within {seconds:g}s: a peer rank is missing or "
-                "stuck (raise GTPPolicy.collective_timeout_s if the peers are just slow)"
+                f"{pending.describe()} did not complete within {seconds:g}s: a peer rank is "
+                "missing or stuck (raise GTPPolicy.collective_timeout_s if the peers are just "
+                "slow)"
             )
 
         try:
@@ -255,7 +257,7 @@ class Comm:
         except RuntimeError as e:
             if isinstance(e, GTPError):
                 raise
-            raise wait_failure(e, what, self.watch.peer_failure()) from e
+            raise wait_failure(e, pending.describe(), self.watch.peer_failure()) from e
 
     def abandon(self, pending: Pending) -> None:
         """Drop a collective no one will consume. A copy-engine collective is still waited for

@@ -121,13 +121,19 @@ class Watch:
         out."""
         if not self.distributed:
             return
-        self._failure = {"error": f"{type(error).__name__}: {error}"[:500], "where": where}
+        self._set_failure(error, where)
         with contextlib.suppress(RuntimeError):  # the store went with a dead peer
             self._post(None)
 
+    def _set_failure(self, error: BaseException, where: str) -> None:
+        """Record the first failure since this rank's last completed pass: what followed it
+        (a carried-on forward that no longer pairs) is its consequence, not its cause."""
+        if self._failure is None:
+            self._failure = {"error": f"{type(error).__name__}: {error}"[:500], "where": where}
+
     def recovered(self) -> None:
-        """This rank starts a pass again (the failure was caught): the failure no longer
-        explains a peer's wait."""
+        """A pass of this rank completed after a failure (the failure was caught, and the
+        peers ran that pass with it): the failure no longer explains a peer's wait."""
         if self._failure is not None:
             self._failure = None
             self._post(None)
@@ -135,10 +141,7 @@ class Watch:
     def _raise(self, error: GTPError) -> None:
         """Raise `error`, posted first as this rank's failure: a peer whose connection to this
         rank breaks when it exits then names the cause."""
-        self._failure = {
-            "error": f"{type(error).__name__}: {error}"[:500],
-            "where": "while waiting for its peers",
-        }
+        self._set_failure(error, "while waiting for its peers")
         raise error
 
     def peer_failure(self) -> PeerFailedError | None:
@@ -191,15 +194,15 @@ class Watch:
     def _read(self) -> dict[int, dict[str, Any]]:
         """The peers' posts; none where the store went with a dead peer (the wait then ends
         in the broken connection to it)."""
-        store, posts = self._store(), {}
+        store = self._store()
+        peers = [rank for rank in range(self.world) if rank != self.rank]
+        keys = [self._key(rank) for rank in peers]
         try:
-            for rank in range(self.world):
-                key = self._key(rank)
-                if rank != self.rank and store.check([key]):
-                    posts[rank] = json.loads(store.get(key))
+            if store.check(keys):  # one round trip once every peer has posted (at its wrap)
+                return {r: json.loads(raw) for r, raw in zip(peers, store.multi_get(keys))}
+            return {r: json.loads(store.get(k)) for r, k in zip(peers, keys) if store.check([k])}
         except RuntimeError:
             return {}
-        return posts
 
 
 def store_wait(store: dist.Store, keys: list[str]) -> Callable[[float], bool]:
@@ -270,6 +273,9 @@ class _Waiter:
                 future.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 future.set_exception(e)
+            # An idle thread must not keep the Work (and so its buffers) referenced: a gather
+            # buffer stays in use until its Work is dropped (runtime/buffers.py).
+            del fn, future
             with self._lock:
                 self._idle += 1
 
@@ -296,7 +302,8 @@ def _verdict(me: int, mine: Blocked, rank: int, post: dict[str, Any]) -> GTPErro
     if theirs_then and theirs_then != mine.what:
         return ChainMismatchError(
             f"rank {me} waits for {mine.what}, which rank {rank} issued as {theirs_then} "
-            f"(collective #{mine.number} of group {mine.where}): the ranks' collectives no "
+            f"(collective #{mine.number} of the process group of ranks "
+            f"{mine.where.partition(':')[2]}): the ranks' collectives no "
             f"longer pair. {_ADVICE}"
         )
     if mine.kind == "collective" and theirs.kind == "collective":
@@ -342,10 +349,11 @@ def _members(where: str) -> set[int]:
     return {int(r) for r in ranks.split(",")} if ranks else set()
 
 
-def group_key(name: str, group: dist.ProcessGroup | None) -> str:
-    """A group's `where`: its role and member ranks, the same on every member."""
-    if group is None:
-        ranks = list(range(dist.get_world_size())) if dist.is_initialized() else [0]
-    else:
-        ranks = dist.get_process_group_ranks(group)
-    return f"{name}:{','.join(map(str, ranks))}"
+def group_key(group: dist.ProcessGroup | None) -> str:
+    """A process group's `where` ("pg0:0,1": its name and member ranks), the same on every
+    member. Roles that share a process group (a whole-world gtp group is the default group)
+    share it, since their collectives pair in one sequence."""
+    pg = group if group is not None else dist.group.WORLD
+    assert isinstance(pg, dist.ProcessGroup)  # only distributed engines number collectives
+    ranks = dist.get_process_group_ranks(pg)
+    return f"pg{pg.group_name}:{','.join(map(str, ranks))}"

@@ -119,7 +119,8 @@ class GTPPolicy:
             "sum" adds them.
         collective_timeout_s: a collective that has not completed after this long raises
             CollectiveTimeoutError naming the weight (on gloo; NCCL uses its group's timeout);
-            one that fails on this rank raises CollectiveError with the cause.
+            one that fails on this rank raises CollectiveError with the cause. Peers that
+            diverged or failed are named within seconds instead (see comm/watch.py).
         param_dtype: the dtype weights are gathered and computed in ("bfloat16", "float16");
             None keeps the parameters' dtype. Shards, optimizer state and `.grad` stay in the
             parameters' own dtype (fp32 masters). No autocast: gathers move and yield weights
@@ -147,6 +148,16 @@ class GTPPolicy:
             the process group. Pays off with `graph_step`: eager, its host time per collective is
             higher than NCCL's. A peer that stalls past collective_timeout_s makes a barrier trap on
             the GPU (a CUDA error that ends the process) instead of raising CollectiveTimeoutError.
+        norm_in_fp32: with a param_dtype, normalization layers with running statistics
+            (BatchNorm*, SyncBatchNorm, InstanceNorm*; torch's `_NormBase`) keep their parameters
+            and statistics in fp32 and stay replicated, as FSDP's mixed precision does by
+            default: torch's batch norm takes their param_dtype input with fp32 parameters and
+            statistics, normalizes in fp32 and returns param_dtype, as under autocast. False
+            casts their parameters like any other and their running statistics to param_dtype,
+            in place at wrap time (the statistics then accumulate and are saved in it).
+            LayerNorm, GroupNorm and RMSNorm follow param_dtype either way.
+        strict: a rule that matches no parameter raises PolicyError instead of a PolicyWarning
+            (as `LayerRule(strict=True)` does for one rule).
     """
 
     rules: tuple[LayerRule, ...] = DEFAULT_RULES

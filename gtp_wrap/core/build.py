@@ -46,14 +46,6 @@ _replaced: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDic
 # Optimizers checked, with how many parameters they held then (add_param_group adds more).
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 _check_installed = False
-# Each wrapped root's plan decisions, in plan order: plain data, so the originals they were made
-# of (full parameters, modules) are not kept alive.
-_decisions: weakref.WeakKeyDictionary[nn.Module, tuple[Decision, ...]] = weakref.WeakKeyDictionary()
-
-
-def decisions_of(root: nn.Module) -> tuple[Decision, ...]:
-    """Why each parameter of the wrapped `root` is sharded or replicated, in plan order."""
-    return _decisions[root]
 
 
 def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -94,6 +86,7 @@ class Built:
     cast_weights: list[CastWeight]
     replicated: list[nn.Parameter]  # as registered now (a cast parameter, or the original)
     replicated_names: list[str]
+    decisions: tuple[Decision, ...]  # why each parameter is sharded or replicated, plan order
 
 
 def check_ranks_agree(plans: list[ParameterPlan], policy: GTPPolicy, agreement: Agreement) -> None:
@@ -190,8 +183,9 @@ def build(
     if dtype is not None and not policy.norm_in_fp32:
         _cast_norm_statistics(root, dtype)
     names = [plan.fqns[0] for plan in replicated]
-    _decisions[root] = tuple(plan.decision() for plan in plans)
-    return Built(weights, storage, packing, cast_weights, registered, names)
+    # Plain data, so the originals the plans were made of (full parameters) are not kept alive.
+    decisions = tuple(plan.decision() for plan in plans)
+    return Built(weights, storage, packing, cast_weights, registered, names, decisions)
 
 
 def _cast_norm_statistics(root: nn.Module, dtype: torch.dtype) -> None:

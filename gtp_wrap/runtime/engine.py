@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -58,6 +59,34 @@ def is_wrapped(module: nn.Module) -> bool:
     return hasattr(module, _ENGINE_ATTR)
 
 
+_MODULE_FILE = nn.modules.module.__file__
+
+
+def _forward_error() -> BaseException | None:
+    """The exception a module's forward raised, when called from an always-called forward hook
+    on that exception path; None on the normal path.
+
+    [Note: the hook's exception path] torch runs always-called hooks inside the `except` clause
+    of the module call that caught the forward's exception, so `sys.exc_info()` names it. But a
+    forward run inside a caller's own `except` block (a retry after an OOM) sees the caller's
+    exception there too. Only the forward's exception was caught by the module call itself: its
+    traceback starts at a frame of torch's module.py that is on the current stack, right above
+    the hook.
+    """
+    error = sys.exc_info()[1]
+    if error is None or error.__traceback__ is None:
+        return None
+    catcher = error.__traceback__.tb_frame
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(5):  # this hook, the owner hook calling it, torch's call frames
+        if frame is None:
+            return None
+        if frame is catcher:
+            return error if frame.f_code.co_filename == _MODULE_FILE else None
+        frame = frame.f_back
+    return None
+
+
 def engine_of(module: nn.Module) -> GTPEngine:
     """The engine of a wrapped module (a WrapError naming the fix if it is not wrapped)."""
     engine = getattr(module, _ENGINE_ATTR, None)
@@ -96,6 +125,7 @@ class GTPEngine:
             self.comm.use_copy_engine(self.agreement, device, policy.group_numel)
         built = build(root, plans, policy, self.precision, mesh, self.comm, self, device)
         self.weights = built.weights
+        self.decisions = built.decisions  # for gtp_wrap.describe
         self.passes = Passes(
             self.weights, self.agreement, policy.group_numel, mesh.gtp.size, lambda: self.step
         )
@@ -167,7 +197,6 @@ class GTPEngine:
     ) -> Any:
         """Open a forward pass of `module` (its forward pre-hook); returns converted inputs."""
         self.close_abandoned_backward()  # a forward inside backward nests in its pass
-        self.watch.recovered()
         grad = torch.is_grad_enabled()
         if grad and self.passes.scope is None and self.mesh.world_size > 1:
             self.replicated.hook_unfrozen()
@@ -193,12 +222,12 @@ class GTPEngine:
         state = self.passes.stack[-1]
         if state.exit_hooks is not None:
             state.exit_hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
-        # always_call hooks run inside forward's `except` clause when forward raised: the
-        # peers waiting for this pass's collectives learn of it (comm/watch.py).
-        error = sys.exc_info()[1]
-        if error is not None:
+        error = _forward_error()
+        if error is not None:  # the peers waiting for this pass's collectives learn of it
             self.watch.failed(error, f"in {state.describe(self.step)}")
         self._end_pass(failed=error is not None)
+        if error is None:
+            self.watch.recovered()
 
     def ensure_backward(self) -> None:
         """Open the backward pass, unless one is open: called by everything backward runs of
@@ -216,6 +245,7 @@ class GTPEngine:
             with torch._C.DisableTorchFunctionSubclass():
                 self.replicated.finish()
         self._end_pass()
+        self.watch.recovered()
         if model_pass:
             self.step += 1
             if not self.keep_buffers:
