@@ -194,7 +194,7 @@ def test_missing_peer_times_out_naming_the_weight() -> None:
     assert "all-gather of 'weight' (forward pass, step 0) did not complete within 2s" in rank0
     # The late rank finds that rank 0 gave up, and why: an error on every rank, a hang on none.
     assert rank1.startswith(PeerFailedError.__name__), rank1
-    assert "rank 0 failed in the forward pass of step 0 with CollectiveTimeoutError" in rank1
+    assert "rank 0 failed while waiting for its peers with CollectiveTimeoutError" in rank1
 
 
 def _failed_collective(rank: int, world: int) -> str:
