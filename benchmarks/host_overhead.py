@@ -1,13 +1,19 @@
 """Host time the engine adds per weight use, on CPU, with weights too small to cost anything else.
 
     python benchmarks/host_overhead.py [--weights 16] [--width 64] [--steps 100] [--out f.json]
+        [--bias]
     python benchmarks/host_overhead.py --callgrind [--steps 40]     # instructions, world of 1
 
 A stack of `--weights` tiny `nn.Linear` layers runs forward and backward with and without
 GTPWrap, in a world of 1 (the engine's Python path alone: no collective is issued) and of 2
 spawned gloo ranks (the path with its gathers and reduce-scatters issued). Two policies: fp32
 (the default) and bf16 compute over fp32 masters; both gather one weight per collective
-(`group_numel: 0`), so each use walks the whole per-use path.
+(`group_numel: 0`), so each use walks the whole per-use path. With `--bias` the layers have
+biases, which are replicated: their gradients take the all-reduce path too.
+
+Beside the time, each row counts the aten ops a step dispatches (a `TorchDispatchMode`
+counting every op, collectives included) beyond the plain model's, per weight use: the same
+count on every run, where each op costs dispatcher time and, on a GPU, a kernel launch.
 
 `--callgrind` counts instructions instead (valgrind's callgrind, world of 1): the same
 count for the same code on every run, where CPU time on a shared 2-core machine moved by +-30 %
@@ -25,6 +31,7 @@ the garbage collector held off inside a round (as `timeit` does).
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import gc
 import json
@@ -39,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gtp_wrap import GTPWrap  # noqa: E402
@@ -50,9 +58,34 @@ POLICIES = {
 }  # fmt: skip
 
 
-def _model(weights: int, width: int) -> nn.Module:
+def _model(weights: int, width: int, bias: bool) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(weights)))
+    return nn.Sequential(*(nn.Linear(width, width, bias=bias) for _ in range(weights)))
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(model: nn.Module, x: torch.Tensor, steps: int = 4) -> collections.Counter[str]:
+    """The aten ops of one forward + backward step in steady state (after the warm-up)."""
+    for _ in range(5):
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+    counter = _OpCounter()
+    with counter:
+        for _ in range(steps):
+            model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+    return collections.Counter({k: v // steps for k, v in counter.counts.items()})
 
 
 def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> float:
@@ -73,29 +106,38 @@ def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> 
     return min(per_round)
 
 
-def measure(weights: int, width: int, steps: int, rounds: int) -> dict[str, dict[str, float]]:
+def measure(
+    weights: int, width: int, steps: int, rounds: int, bias: bool
+) -> dict[str, dict[str, float]]:
     """Per policy: the plain and the wrapped step's CPU time and the extra per weight use."""
     x = torch.randn(4, width)
-    plain = _step_cpu_us(_model(weights, width), x, steps, rounds)
+    plain = _step_cpu_us(_model(weights, width, bias), x, steps, rounds)
     out = {}
     for name, policy in POLICIES.items():
-        model = GTPWrap(_model(weights, width), policy)
+        model = GTPWrap(_model(weights, width, bias), policy)
         dtype = torch.bfloat16 if "param_dtype" in policy else torch.float32
-        ref = _step_cpu_us(_model(weights, width).to(dtype), x.to(dtype), steps, rounds)
+        ref = _step_cpu_us(_model(weights, width, bias).to(dtype), x.to(dtype), steps, rounds)
         wrapped = _step_cpu_us(model, x, steps, rounds)
         base = ref if dtype != torch.float32 else plain
+        plain_ops = _ops_per_step(_model(weights, width, bias).to(dtype), x.to(dtype))
+        gtp_ops = _ops_per_step(model, x)
+        extra = {k: gtp_ops[k] - plain_ops[k] for k in gtp_ops | plain_ops}
         out[name] = {
             "plain_step_us": round(base, 1),
             "gtp_step_us": round(wrapped, 1),
             "per_use_us": round((wrapped - base) / (2 * weights), 2),
+            "extra_ops_per_use": round(sum(extra.values()) / (2 * weights), 2),
+            "extra_ops_per_step": dict(
+                sorted(((k, v) for k, v in extra.items() if v), key=lambda kv: -kv[1])
+            ),
         }
     return out
 
 
-def _run_steps(policy: str, steps: int, weights: int, width: int) -> None:
+def _run_steps(policy: str, steps: int, weights: int, width: int, bias: bool) -> None:
     """Wrap the stack at world 1 and run `steps` steps after the warm-up (under valgrind)."""
     torch.set_num_threads(1)
-    model = GTPWrap(_model(weights, width), POLICIES[policy])
+    model = GTPWrap(_model(weights, width, bias), POLICIES[policy])
     x = torch.randn(4, width)
     for _ in range(5 + steps):
         model(x).sum().backward()
@@ -107,7 +149,7 @@ def _instructions(policy: str, steps: int, args: argparse.Namespace) -> int:
         "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
         os.path.abspath(__file__), "--run-steps", str(steps), "--policy", policy,
         "--weights", str(args.weights), "--width", str(args.width),
-    ]  # fmt: skip
+    ] + ["--bias"] * args.bias  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     found = re.search(r"Collected : (\d+)", done.stderr)
     if found is None:
@@ -134,7 +176,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        got = measure(args.weights, args.width, args.steps, args.rounds)
+        got = measure(args.weights, args.width, args.steps, args.rounds, args.bias)
         if rank == 0:
             with open(result, "w") as f:
                 json.dump(got, f)
@@ -152,9 +194,10 @@ def main() -> None:
     parser.add_argument("--callgrind", action="store_true", help="count instructions instead")
     parser.add_argument("--run-steps", type=int, help=argparse.SUPPRESS)  # one valgrind run
     parser.add_argument("--policy", choices=list(POLICIES), help=argparse.SUPPRESS)
+    parser.add_argument("--bias", action="store_true", help="layers with (replicated) biases")
     args = parser.parse_args()
     if args.run_steps is not None:
-        _run_steps(args.policy, args.run_steps, args.weights, args.width)
+        _run_steps(args.policy, args.run_steps, args.weights, args.width, args.bias)
         return
     if args.callgrind:
         counted = count_instructions(args)
@@ -166,7 +209,7 @@ def main() -> None:
                 json.dump({"callgrind_world1": counted, "args": vars(args)}, f, indent=1)
         return
     torch.set_num_threads(1)
-    results = {"world1": measure(args.weights, args.width, args.steps, args.rounds)}
+    results = {"world1": measure(args.weights, args.width, args.steps, args.rounds, args.bias)}
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         mp.start_processes(
@@ -175,12 +218,15 @@ def main() -> None:
         )  # fmt: skip
         with open(result) as f:
             results["world2_gloo"] = json.load(f)
-    print(f"{'world':<12} {'policy':<6} {'plain us/step':>14} {'GTP us/step':>12} {'us/use':>8}")
+    print(
+        f"{'world':<12} {'policy':<6} {'plain us/step':>14} {'GTP us/step':>12} {'us/use':>8}"
+        f" {'extra ops/use':>14}"
+    )
     for world, by_policy in results.items():
         for policy, r in by_policy.items():
             print(
                 f"{world:<12} {policy:<6} {r['plain_step_us']:>14.1f} {r['gtp_step_us']:>12.1f}"
-                f" {r['per_use_us']:>8.2f}"
+                f" {r['per_use_us']:>8.2f} {r['extra_ops_per_use']:>14.2f}"
             )
     if args.out:
         with open(args.out, "w") as f:

@@ -95,7 +95,7 @@ class ShardGeometry:
     def local_of_slot(self, slot: torch.Tensor) -> torch.Tensor:
         """The rows of a slot-sized tensor that this rank owns, in the logical layout."""
         block = slot[: self.local_rows * self.row_numel].view(self.local_rows, *self.rest)
-        return block.movedim(0, self.dim)
+        return block if self.dim == 0 else block.movedim(0, self.dim)
 
     @functools.cached_property
     def full_stride(self) -> tuple[int, ...]:
@@ -113,7 +113,7 @@ class ShardGeometry:
 
     def padded_rows_view(self, full: torch.Tensor) -> torch.Tensor:
         """A contiguous (padded_rows * row_numel,) copy or view of a logical full tensor."""
-        moved = full.movedim(self.dim, 0)
+        moved = full if self.dim == 0 else full.movedim(self.dim, 0)
         pad = self.padded_rows - self.rows
         if pad:
             moved = torch.cat([moved, moved.new_zeros((pad, *self.rest))])

@@ -26,6 +26,7 @@ class _Bucket:
         self.params = params
         self.sizes = [p.numel() for p in params]
         self.flat = self.flags = torch.empty(0)
+        self.views: list[torch.Tensor] = []
         if params[0].requires_grad:  # frozen ones get their buffer if they are ever unfrozen
             self.allocate()
         self.ready: set[int] = set()
@@ -33,10 +34,14 @@ class _Bucket:
         self.pending: Pending | None = None
 
     def allocate(self) -> None:
-        """A zeroed buffer for the grads, with one flag per parameter after them."""
+        """A zeroed buffer for the grads, with one flag per parameter after them, and each
+        parameter's view of it, made once: a launch and a finish are then one copy each for
+        the whole bucket, not a slice, a view and a copy per parameter."""
         total, p0 = sum(self.sizes), self.params[0]
         self.flat = torch.zeros(total + len(self.params), dtype=p0.dtype, device=p0.device)
         self.flags = self.flat[total:]
+        parts = self.flat[:total].split(self.sizes)
+        self.views = [part.view_as(p) for part, p in zip(parts, self.params)]
 
 
 class ReplicatedGrads:
@@ -117,19 +122,20 @@ class ReplicatedGrads:
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.flat.numel() == 0:
             bucket.allocate()
-        offset = 0
-        bucket.locally_missing = any(p.grad is None for p in bucket.params)
+        grads = [p.grad for p in bucket.params]
+        bucket.locally_missing = any(g is None for g in grads)
         # Flags are filled by kernels, not assigned from Python numbers: an assignment is a
         # host-to-device copy, which a CUDA graph cannot capture.
         bucket.flags.fill_(1)
-        for i, (p, n) in enumerate(zip(bucket.params, bucket.sizes)):
-            view = bucket.flat[offset : offset + n]
-            if p.grad is None:
-                view.zero_()
-                bucket.flags[i].fill_(0)
-            else:
-                view.copy_(p.grad.reshape(-1))
-            offset += n
+        if bucket.locally_missing:
+            for i, (view, grad) in enumerate(zip(bucket.views, grads)):
+                if grad is None:
+                    view.zero_()
+                    bucket.flags[i].fill_(0)
+                else:
+                    view.copy_(grad)
+        else:
+            torch._foreach_copy_(bucket.views, grads)  # type: ignore[arg-type]
         bucket.pending = self.comm.all_reduce(
             bucket.flat,
             self.axis,
@@ -156,16 +162,16 @@ class ReplicatedGrads:
             if bucket.pending is None:  # every parameter frozen: nothing to reduce
                 continue
             self.comm.wait(bucket.pending)
-            has_grad = bucket.flags.tolist() if bucket.locally_missing else [1] * len(bucket.params)
-            offset = 0
-            for p, n, flag in zip(bucket.params, bucket.sizes, has_grad):
-                reduced = bucket.flat[offset : offset + n].view_as(p)
-                if flag > 0:
-                    if p.grad is None:
-                        p.grad = reduced.clone()
-                    else:
-                        p.grad.copy_(reduced)
-                offset += n
+            if not bucket.locally_missing:
+                grads = [p.grad for p in bucket.params]
+                torch._foreach_copy_(grads, bucket.views)  # type: ignore[arg-type]
+            else:
+                for p, reduced, flag in zip(bucket.params, bucket.views, bucket.flags.tolist()):
+                    if flag > 0:
+                        if p.grad is None:
+                            p.grad = reduced.clone()
+                        else:
+                            p.grad.copy_(reduced)
             bucket.ready.clear()
             bucket.pending = None
 
@@ -176,7 +182,6 @@ class ReplicatedGrads:
             if bucket.pending is not None:
                 self.comm.abandon(bucket.pending)
                 # A dropped all-reduce may still write its result: give it the old buffer.
-                bucket.flat = torch.zeros_like(bucket.flat)
-                bucket.flags = bucket.flat[sum(bucket.sizes) :]
+                bucket.allocate()
             bucket.pending = None
             bucket.ready.clear()
