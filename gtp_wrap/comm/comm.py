@@ -67,11 +67,9 @@ class Comm:
     ) -> None:
         self.mesh = mesh
         self.watch = watch
-        # Works issued so far per group, keyed by the group's `where`: what a stuck wait posts.
+        # Each role's process group as the watch numbers its collectives.
         axes = (mesh.gtp, mesh.dp, mesh.world)
         self._where = {a.name: group_key(a.group) for a in axes if a.size > 1}
-        self.issued = watch.issued
-        self.issued.update(dict.fromkeys(self._where.values(), 0))
         self.gtp = mesh.gtp
         self.gather_copies: CopyEngineCollectives | None = None
         self.reduce_copies: CopyEngineCollectives | None = None
@@ -172,10 +170,8 @@ class Comm:
         the host and are watched, numbered on its group and remembered for comm/watch.py."""
         if not self._gloo:
             return [Pending(works, what, context) for _ in range(outputs)]
-        where = self._where[axis.name]
-        number, step = self.issued[where] + 1, self._step()
-        self.issued[where] += len(works)
-        self.watch.recent.append((where, number, len(works), what, context, step))
+        where, step = self._where[axis.name], self._step()
+        number = self.watch.record(where, len(works), what, context, step)
         return [Pending(works, what, context, where, number, step) for _ in range(outputs)]
 
     def _in_place(self, axis: MeshAxis, out: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:

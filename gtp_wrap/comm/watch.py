@@ -81,8 +81,8 @@ class Watch:
         self.world = dist.get_world_size() if self.distributed else 1
         self.checks = 0  # agreement checks this rank passed (comm/agreement.py counts them)
         # Works issued per group `where`, and the latest collectives as (where, first number,
-        # works, what, context, step): comm/comm.py records them as it issues.
-        self.issued: dict[str, int] = {}
+        # works, what, context, step): `record` keeps them as comm/comm.py issues.
+        self.issued: collections.Counter[str] = collections.Counter()
         self.recent: collections.deque[tuple[str, int, int, str, str, int]] = collections.deque(
             maxlen=RECENT
         )
@@ -90,6 +90,13 @@ class Watch:
         self._posts = 0
         if self.distributed:
             self._post(None)
+
+    def record(self, where: str, works: int, what: str, context: str, step: int) -> int:
+        """Number `works` Works just issued on the group `where`; the first one's number."""
+        number = self.issued[where] + 1
+        self.issued[where] += works
+        self.recent.append((where, number, works, what, context, step))
+        return number
 
     def blocked(
         self, kind: Literal["collective", "check"], where: str, number: int, what: str

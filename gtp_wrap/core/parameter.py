@@ -64,9 +64,9 @@ class GTPParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func in _GRAD_GET:
-            _refuse_per_rank_clip(args[0])
         if not OpenPasses.count and torch._C._current_graph_task_id() == -1:
+            if func in _GRAD_GET:  # torch's clip reads grads outside passes: never on a use
+                _refuse_per_rank_clip(args[0])
             with torch._C.DisableTorchFunctionSubclass():  # optimizer steps, state dicts
                 return func(*args, **kwargs)
         runtime = _runtime_of(args, kwargs)

@@ -39,6 +39,7 @@ from ..precision.encoding import Precision
 from .casts import Casts, install_optimizer_hook
 from .chain import PassKind, PassState
 from .gather import Gatherer
+from .part import Shared
 from .passes import Passes
 from .reduce import GradReducer
 from .replicated import ReplicatedGrads
@@ -129,12 +130,11 @@ class GTPEngine:
         self.passes = Passes(
             self.weights, self.agreement, policy.group_numel, mesh.gtp.size, lambda: self.step
         )
-        self.gatherer = Gatherer(self.weights, self.comm, self.passes, self.stats,
-                                 self.precision, policy.prefetch_depth, self.ensure_backward,
-                                 device)  # fmt: skip
-        self.reducer = GradReducer(self.weights, self.comm, self.passes, self.stats, mesh.dp,
-                                   policy.group_numel, self.reduce_dtype, self.ensure_backward,
-                                   device)  # fmt: skip
+        shared = Shared(
+            self.weights, self.comm, self.passes, self.stats, self.ensure_backward, device
+        )
+        self.gatherer = Gatherer(shared, self.precision, policy.prefetch_depth)
+        self.reducer = GradReducer(shared, mesh.dp, policy.group_numel, self.reduce_dtype)
         active = self.precision.param_dtype is not None or self.precision.fp8
         self.casts = Casts(built.storage, built.packing, built.cast_weights,
                            [w.param for w in self.weights], self.stats, active)  # fmt: skip

@@ -12,18 +12,15 @@ and gathered again when backward unpacks it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..comm.comm import Comm
 from ..core.weight import ShardedWeight, describe_group
 from ..precision.encoding import Precision
 from .buffers import GatherBufferPool
 from .chain import Gather, PassKind, PassState
-from .passes import Passes
-from .stats import Stats
+from .part import Part, Shared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,35 +36,20 @@ class SavedWeightView:
 _CONTEXT = {kind: f"{kind.label}, " for kind in PassKind}  # for error descriptions
 
 
-class Gatherer:
+class Gatherer(Part):
     """Issues, prefetches and completes the gathers of one engine's passes."""
 
-    def __init__(
-        self,
-        weights: list[ShardedWeight],
-        comm: Comm,
-        passes: Passes,
-        stats: Stats,
-        precision: Precision,
-        prefetch_depth: int,
-        ensure_backward: Callable[[], None],
-        device: torch.device,
-    ) -> None:
-        self.weights = weights
-        self.comm = comm
-        self.passes = passes
-        self.stats = stats
+    def __init__(self, shared: Shared, precision: Precision, prefetch_depth: int) -> None:
+        super().__init__(shared)
         self.precision = precision
         self.depth = prefetch_depth
-        self.ensure_backward = ensure_backward
-        self.device = device
-        self.local = comm.gtp.size == 1  # a group of one reads its local copy
+        self.local = self.comm.gtp.size == 1  # a group of one reads its local copy
         # [Note: graphed buffers] Graphed regions gather into buffers of their own. A graph
         # keeps the addresses it was captured with, so handing one of its buffers to an eager
         # pass would let a replay overwrite it. Replays never overlap each other, so all
         # regions share one pool.
-        self.eager = GatherBufferPool(device)
-        self.graphed = GatherBufferPool(device)
+        self.eager = GatherBufferPool(self.device)
+        self.graphed = GatherBufferPool(self.device)
         self.pool = self.eager
 
     def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:

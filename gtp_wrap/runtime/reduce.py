@@ -10,16 +10,15 @@ weight's `GradState` (core/weight.py) is advanced here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
-from ..comm.comm import Comm, Pending
+from ..comm.comm import Pending
 from ..core.weight import GradState, ShardedWeight, describe_group
 from ..errors import GraphCaptureError
 from ..mesh import MeshAxis
-from .passes import Passes
-from .stats import Stats
+from .part import Part, Shared
 
 
 @dataclasses.dataclass
@@ -41,30 +40,16 @@ class ReduceGroup:
     pending: Pending | None = None
 
 
-class GradReducer:
+class GradReducer(Part):
     """Reduce-scatters, finalizes and lands the weight gradients of one engine."""
 
     def __init__(
-        self,
-        weights: list[ShardedWeight],
-        comm: Comm,
-        passes: Passes,
-        stats: Stats,
-        dp: MeshAxis,
-        group_numel: int,
-        reduce_dtype: torch.dtype | None,
-        ensure_backward: Callable[[], None],
-        device: torch.device,
+        self, shared: Shared, dp: MeshAxis, group_numel: int, reduce_dtype: torch.dtype | None
     ) -> None:
-        self.weights = weights
-        self.comm = comm
-        self.passes = passes
-        self.stats = stats
+        super().__init__(shared)
         self.dp = dp
         self.group_numel = group_numel
         self.reduce_dtype = reduce_dtype
-        self.ensure_backward = ensure_backward
-        self.device = device
         self._collecting = ReduceGroup()  # gradients not yet issued
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
         # Weights whose `.grad` this backward wrote, in the order they first landed: a weight
