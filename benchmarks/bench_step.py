@@ -15,6 +15,8 @@ length and seed, with AdamW (foreach, or fused with --fused-adamw):
 - gtp: GTPWrap with the default policy, bf16 gathers (param_dtype), fp32 reductions;
 - gtp_fp8: the same with FP8 gathers (gather_dtype: fp8);
 - gtp_fp8_gemm: FP8 gathers feeding FP8 GEMMs for every Linear's forward (fp8_matmul: true);
+- floor_compile, fsdp2_compile, gtp_compile: floor, fsdp2 and gtp with every block compiled
+  by torch.compile (as torchtitan compiles with FSDP2; gtp_wrap.compile for GTP), the rest eager;
 - gtp_graph: gtp with the whole step (forward, backward, AdamW(capturable=True)) captured in a
   CUDA graph by gtp_wrap.graph_step after the warm-up steps.
 Each reports the median step time over the timed steps after warm-up, tokens/s per GPU, MFU
@@ -57,7 +59,8 @@ MODELS = {
     "smoke": GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=172, max_seq=64),
 }  # fmt: skip
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
-METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph", "floor_graph")
+METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph", "floor_graph",
+           "floor_compile", "fsdp2_compile", "gtp_compile")  # fmt: skip
 
 
 def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -76,6 +79,9 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
     """(model, optimizer, autocast dtype or None); the floor's optimizer steps a 1/N shard."""
     if method.startswith("floor"):
         model = _model(cfg, device, torch.bfloat16)
+        if method == "floor_compile":
+            for block in model.blocks:
+                block.compile()
         shard = torch.zeros(math.ceil(cfg.n_params / world), device=device, requires_grad=True)
         shard.grad = torch.zeros_like(shard)
         return model, _adamw([shard], fused_adamw, method == "floor_graph"), None
@@ -85,10 +91,12 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
             model, device_ids=[device] if device.type == "cuda" else None
         )
         return model, _adamw(model.parameters(), fused_adamw), torch.bfloat16
-    if method == "fsdp2":
+    if method.startswith("fsdp2"):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, mp_policy=mp)
+            if method == "fsdp2_compile":  # FSDP2's hooks run eagerly around the compiled code
+                block.compile()
         fully_shard(model, mp_policy=mp)
         return model, _adamw(model.parameters(), fused_adamw), None
     policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32", **overrides}
@@ -98,6 +106,8 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
     if cfg.d < 512:
         policy["min_shard_numel"] = 0
     GTPWrap(model, policy)
+    if method == "gtp_compile":
+        gtp_wrap.compile(model)
     return model, _adamw(model.parameters(), fused_adamw, method == "gtp_graph"), None
 
 
@@ -250,7 +260,8 @@ def run(device: torch.device, args: argparse.Namespace) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """One line per result; GTP rows add their ratios to the floors and to FSDP2 of the same
-    model and batch (gfloor: the graphed floor)."""
+    model and batch (gfloor: the graphed floor). gtp_compile is compared with the compiled
+    floor and compiled FSDP2 where they ran."""
     refs = {"GTP/floor": "floor", "GTP/gfloor": "floor_graph", "GTP/FSDP2": "fsdp2"}
     lines = [
         f"{'model':>6} {'batch':>5} {'method':>12} {'step ms':>9} {'tok/s/GPU':>10} {'MFU':>6} "
@@ -260,9 +271,13 @@ def table(rows: list[dict]) -> str:
         same = {
             x["method"]: x for x in rows if x["model"] == r["model"] and x["batch"] == r["batch"]
         }
+        peer = {
+            ref: f"{ref}_compile" if r["method"] == "gtp_compile" else ref for ref in refs.values()
+        }
+        peer = {ref: p if p in same else ref for ref, p in peer.items()}
         ratios = [
-            f"{r['step_ms'] / same[ref]['step_ms']:.2f}"
-            if r["method"].startswith("gtp") and ref in same
+            f"{r['step_ms'] / same[peer[ref]]['step_ms']:.2f}"
+            if r["method"].startswith("gtp") and peer[ref] in same
             else ""
             for ref in refs.values()
         ]

@@ -14,6 +14,7 @@ import sys
 
 from .api import GTPWrap, no_sync, reset_stats, stats
 from .clip import clip_grad_norm_
+from .compilation import compile
 from .config.policy import GTPPolicy, LayerRule
 from .describe import Description, ParameterRow, describe
 from .errors import (
@@ -54,6 +55,7 @@ __all__ = [
     "WrapError",
     "checkpoint",
     "clip_grad_norm_",
+    "compile",
     "describe",
     "full_state_dict",
     "graph_region",

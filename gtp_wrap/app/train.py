@@ -94,6 +94,8 @@ def _validate(cfg: dict, run_dir: str) -> None:
     for key in ("steps", "batch", "seq", "accumulation", "eval_batches"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be a whole number >= 1")
+    if not isinstance(t["compile"], bool):
+        raise LaunchError(f"trainer.compile={t['compile']!r}: must be true or false")
     if not isinstance(t["log_every"], int) or t["log_every"] < 0:
         raise LaunchError(f"trainer.log_every={t['log_every']!r}: must be a whole number >= 0")
     if t["seq"] > cfg["model"]["max_seq"]:
@@ -176,6 +178,8 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         mesh = init_device_mesh(device.type, tuple(cfg["mesh"]), mesh_dim_names=MESH_DIMS)
     policy: GTPPolicy = resolve_policy(cfg["policy"])
     GTPWrap(model, policy, mesh=mesh)
+    if t["compile"]:
+        gtp_wrap.compile(model)  # each block compiled, GTP's gathers between them
     if rank == 0:
         log.info("what the policy did (gtp_wrap.describe):\n%s", gtp_wrap.describe(model))
     optim = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])

@@ -19,12 +19,13 @@ import contextlib
 import itertools
 import sys
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
+from torch.utils.hooks import RemovableHandle
 
 from ..comm.agreement import Agreement
 from ..comm.comm import Comm
@@ -38,6 +39,7 @@ from ..mesh import GTPMesh
 from ..precision.encoding import Precision
 from .casts import Casts, install_optimizer_hook
 from .chain import PassKind, PassState
+from .compiled import CompiledBlock, refuse_tracing
 from .gather import Gatherer
 from .part import Shared
 from .passes import Passes
@@ -170,25 +172,45 @@ class GTPEngine:
     def _hook_owners(self, root: nn.Module, plans: list[ParameterPlan]) -> None:
         """A submodule called on its own (`model.embed(idx)` in generation code) opens a pass
         too, so its weights are gathered rather than silently used as local shards."""
-        opened: list[bool] = []
-        names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+        self._opened: list[bool] = []  # per owner call in progress: whether it opened a pass
+        self._names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+        self._owner_hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        for plan in plans:
+            for module, _ in plan.owners:
+                if module is not root and id(module) not in self._owner_hooks:
+                    self._hook_owner(module)
 
-        def pre(module: nn.Module, args: Any, kwargs: dict) -> Any:
-            self.close_abandoned_backward()
-            # Inside backward (a checkpoint recompute) uses are intercepted already.
-            opened.append(not self.passes.stack and torch._C._current_graph_task_id() == -1)
-            if not opened[-1]:
-                return None
-            return self.open_forward(module, args, kwargs, opener=names[id(module)])
+    def _hook_owner(self, module: nn.Module) -> None:
+        self._owner_hooks[id(module)] = (
+            module.register_forward_pre_hook(self._owner_pre, with_kwargs=True),
+            module.register_forward_hook(self._owner_post, always_call=True),
+        )
 
-        def post(module: nn.Module, args: Any, output: Any) -> None:
-            if opened and opened.pop():
-                self.close_forward(module, args, output)
+    def _owner_pre(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
+        if torch.compiler.is_compiling():
+            refuse_tracing(f"the hooks of '{self._names[id(module)]}' of a wrapped model")
+        self.close_abandoned_backward()
+        # Inside backward (a checkpoint recompute) uses are intercepted already.
+        opened = not self.passes.stack and torch._C._current_graph_task_id() == -1
+        self._opened.append(opened)
+        if not opened:
+            return None
+        return self.open_forward(module, args, kwargs, opener=self._names[id(module)])
 
-        owners = {id(m): m for plan in plans for m, _ in plan.owners if m is not root}
-        for module in owners.values():
-            module.register_forward_pre_hook(pre, with_kwargs=True)
-            module.register_forward_hook(post, always_call=True)
+    def _owner_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._opened and self._opened.pop():
+            self.close_forward(module, args, output)
+
+    def compile_block(self, block: nn.Module, compiled: Callable) -> None:
+        """Run `block` as `compiled` (its class's forward, compiled) on its gathered weights
+        (see [Note: compiled blocks]); the block becomes the owner of the weights inside it."""
+        if isinstance(block.__dict__.get("forward"), CompiledBlock):
+            raise WrapError(f"'{self._names[id(block)]}' is compiled already")
+        for module in block.modules():
+            for handle in self._owner_hooks.pop(id(module), ()):
+                handle.remove()
+        self._hook_owner(block)
+        block.forward = CompiledBlock(block, compiled, self.uses)
 
     # ---- the pass lifecycle -------------------------------------------------------------
 
@@ -196,6 +218,8 @@ class GTPEngine:
         self, module: nn.Module, args: Any, kwargs: dict, opener: str | None = None
     ) -> Any:
         """Open a forward pass of `module` (its forward pre-hook); returns converted inputs."""
+        if torch.compiler.is_compiling():
+            refuse_tracing("the forward hooks of a wrapped model")
         self.close_abandoned_backward()  # a forward inside backward nests in its pass
         grad = torch.is_grad_enabled()
         if grad and self.passes.scope is None and self.mesh.world_size > 1:

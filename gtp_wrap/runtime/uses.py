@@ -30,7 +30,7 @@ linear (see `Uses.linear_weight`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -112,6 +112,13 @@ class Uses:
         else:  # the common case, F.linear(x, w, b): no tree walk
             args = tuple(substitute(a) if type(a) is GTPParameter else a for a in args)
         return func(*args, **kwargs)
+
+    def materialize(self, params: Sequence[GTPParameter]) -> list[torch.Tensor]:
+        """The weight one use of each parameter sees, in order: a compiled block's weights,
+        gathered before its compiled code runs (see [Note: compiled blocks])."""
+        if not self.passes.stack:
+            self.runtime.ensure_backward()  # a checkpoint recompute: uses inside backward
+        return [self.full_weight(p) for p in params]
 
     def full_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The weight one use of `p` sees, wired so that its gradient reaches `p`."""

@@ -1,0 +1,85 @@
+"""Compiled blocks: a block run as `torch.compile`d code on plain full weights.
+
+[Note: compiled blocks] Dynamo cannot trace a GTPParameter's interception: its
+`__torch_function__` runs the engine (the pass stack, the chains, collectives), host state that
+a graph cannot hold. So a compiled block does what FSDP2 does for compiled code: its weights are
+gathered before the compiled forward runs, one use each along the chain, wired so that their
+gradients reach the reducer, and put in the module slots where the parameters sit; the compiled
+code sees plain tensors, and the parameters go back when it returns. Everything it saves for
+backward passes through the forward pass's saved-tensor hooks like any other saved tensor, so a
+saved weight is rematerialized in backward, never kept alive (see runtime/gather.py).
+
+One compiled function per block class serves every block of that class. For that the modules
+inside a block carry no hooks of ours: Dynamo guards on module hook ids, so hooked submodules
+would compile once per block and exhaust its cache (8 blocks). The block itself is the owner
+that opens a pass when it is called on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, Protocol
+
+import torch
+from torch import nn
+
+from ..core.parameter import GTPParameter
+from ..errors import WrapError
+
+
+class BlockRuntime(Protocol):
+    """What a compiled block asks of its engine."""
+
+    def materialize(self, params: Sequence[GTPParameter]) -> list[torch.Tensor]:
+        """The weights one use of each of `params` sees, as in an intercepted use."""
+        ...
+
+
+class CompiledBlock:
+    """The forward of one compiled block: gather its weights, swap them in, run the compiled
+    code, swap the parameters back."""
+
+    __slots__ = ("block", "compiled", "params", "slots", "runtime")
+
+    def __init__(self, block: nn.Module, compiled: Callable, runtime: BlockRuntime) -> None:
+        self.block = block
+        self.compiled = compiled  # the block class's forward, compiled: takes the block first
+        self.runtime = runtime
+        self.params: list[GTPParameter] = []  # each managed parameter once (tied ones too)
+        # Every slot that holds one of them: (the module's parameter dict, name, which).
+        self.slots: list[tuple[dict[str, Any], str, int]] = []
+        index: dict[int, int] = {}
+        for module in block.modules():
+            for name, p in module._parameters.items():
+                if type(p) is GTPParameter:
+                    if id(p) not in index:
+                        index[id(p)] = len(self.params)
+                        self.params.append(p)
+                    self.slots.append((module._parameters, name, index[id(p)]))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        weights = self.runtime.materialize(self.params)
+        for slot, name, which in self.slots:
+            slot[name] = weights[which]
+        try:
+            return self.compiled(self.block, *args, **kwargs)
+        finally:
+            for slot, name, which in self.slots:
+                slot[name] = self.params[which]
+
+
+def refuse_tracing(where: str) -> NoReturn:
+    """Raise the error for Dynamo tracing into a wrapped model's own hooks, from outside the
+    trace (a raise inside it would make Dynamo fall back to eager without a word)."""
+    torch.compiler.disable(_refuse)(where)
+    raise AssertionError("unreachable")  # for type checkers: _refuse always raises
+
+
+def _refuse(where: str) -> NoReturn:
+    raise WrapError(
+        f"torch.compile traced into {where}: Dynamo cannot trace GTP's sharded parameters, "
+        "whose every use gathers the weight. Compile the model's blocks instead, with "
+        "gtp_wrap.compile(model) (or gtp_wrap.compile(model, blocks=[...])): each block then "
+        "runs compiled on its gathered weights. Compile before wrapping does not work either; "
+        "wrap first, then call gtp_wrap.compile"
+    )
