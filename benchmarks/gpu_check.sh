@@ -5,6 +5,9 @@
 #
 #   bash benchmarks/gpu_check.sh [OTHER_TREE]      # on the GPU machine, from the repo root
 #
+# Environment: TESTS (test files), METHODS, PLAN, ROUNDS (bench_step's), TEST_TIMEOUT and
+# BENCH_TIMEOUT (seconds for each program).
+#
 # Needs the Hydra wheels in .whl/ (carry it); writes logs and bench JSON under $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -15,11 +18,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $GPUS, torch $(python3 -c 'import torch; print(torch.__version__)')"
 PYTHONPATH=/tmp/site:$PWD timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
-  tests/test_graphs.py tests/test_gpu.py tests/test_copy_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  ${TESTS:-tests/test_graphs.py tests/test_gpu.py tests/test_copy_engine.py tests/test_compile.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 bench() {  # tree, name
   (cd "$1" && PYTHONPATH=/tmp/site:$PWD timeout "${BENCH_TIMEOUT:-150}" torchrun --nproc_per_node "$GPUS" \
     benchmarks/bench_step.py --methods ${METHODS:-floor_graph gtp gtp_graph} \
-    --plan "${PLAN:-125M:1;1.36B:1}" --fused-adamw --rounds 2 --out "$OUT/bench_$2" 2>&1 \
+    --plan "${PLAN:-125M:1;1.36B:1}" --fused-adamw --rounds ${ROUNDS:-2} --out "$OUT/bench_$2" 2>&1 \
     | grep -v Warning | tail -12)
 }
 bench . new
