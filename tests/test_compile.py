@@ -47,7 +47,8 @@ MODELS = {  # name: (build, vocab, micro-batches per step)
 
 
 def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    out = model(ids.to(next(model.buffers(), ids).device))
+    ids = ids.to(next(model.parameters()).device)
+    out = model(ids)
     logits = out.logits if hasattr(out, "logits") else out
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
 

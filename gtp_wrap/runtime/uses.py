@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from ..core.parameter import GTPParameter, written_param
-from ..core.weight import ShardedWeight
+from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
 from ..precision import fp8
 from ..precision.encoding import Precision
@@ -118,7 +118,13 @@ class Uses:
         gathered before its compiled code runs (see [Note: compiled blocks])."""
         if not self.passes.stack:
             self.runtime.ensure_backward()  # a checkpoint recompute: uses inside backward
-        return [self.full_weight(p) for p in params]
+        if not torch.is_grad_enabled():
+            return [self._weight_of(p.gtp_weight) for p in params]
+        return list(BlockWeights.apply(self, *params))
+
+    def _weight_of(self, w: ShardedWeight | CastWeight) -> torch.Tensor:
+        """What one use of `w` reads: its gathered full weight, or its compute-dtype copy."""
+        return self.gatherer.gather(w) if type(w) is ShardedWeight else w.cast  # type: ignore[union-attr]
 
     def full_weight(self, p: torch.Tensor) -> torch.Tensor:
         """The weight one use of `p` sees, wired so that its gradient reaches `p`."""
@@ -176,6 +182,35 @@ class Uses:
             return ShardedLinear.apply(x, param, full, bias, self.runtime, w, scale)
         assert scale is not None  # without autograd only FP8 GEMMs take this route
         return fp8.linear_forward(x, full, scale, geo, bias)
+
+
+class BlockWeights(torch.autograd.Function):
+    """The weights of a compiled block, one use each, as one autograd node: per block one
+    node to make and run instead of one `RouteGrad` or `CastGrad` per weight. Its backward
+    hands each sharded weight's gradient to the reduce-scatter and casts each replicated one's
+    back to its parameter's dtype."""
+
+    @staticmethod
+    def forward(ctx, uses: Uses, *params: GTPParameter):  # type: ignore[override]
+        ctx.uses, ctx.weights = uses, [p.gtp_weight for p in params]
+        ctx.dtypes = [p.dtype for p in params]
+        ctx.set_materialize_grads(False)  # a weight the block left unused gets no gradient
+        out = [uses._weight_of(w) for w in ctx.weights]
+        out = [t.view_as(t) for t in out]  # outputs of this node, not the buffers themselves
+        ctx.mark_non_differentiable(*(t for t, p in zip(out, params) if not p.requires_grad))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+        runtime: GradRuntime = ctx.uses.runtime
+        out: list[torch.Tensor | None] = [None]
+        for w, dtype, grad in zip(ctx.weights, ctx.dtypes, grads):
+            if grad is None or type(w) is not ShardedWeight:
+                out.append(None if grad is None else grad.to(dtype))
+                continue
+            runtime.reduce_grad(w, grad)
+            out.append(None)
+        return tuple(out)
 
 
 class CastGrad(torch.autograd.Function):
