@@ -73,6 +73,9 @@ class GradReducer(Part):
         geo = w.geometry
         with torch._C.DisableTorchFunctionSubclass():
             dtype = self.reduce_dtype or grad.dtype
+            if w.axis.size == 1 and self.dp.size == 1 and geo.dim == 0:
+                self._land_unreduced(w, grad, dtype)
+                return
             # A weight used twice has a second gradient; only the first may become `.grad`.
             direct = (
                 dtype == geo.dtype
@@ -93,6 +96,25 @@ class GradReducer(Part):
             self.stats.bytes_reduced += full.numel() * full.element_size()
             if group.numel >= self.group_numel:
                 self._issue()
+
+    def _land_unreduced(self, w: ShardedWeight, grad: torch.Tensor, dtype: torch.dtype) -> None:
+        """A gradient with no peer to reduce with (a group of one, no dp) is the shard's
+        gradient as it is, rounded to the reduce dtype: it lands at once, with no collective
+        and no staging copy."""
+        param = w.param
+        rounded = grad.to(dtype).reshape(param.shape)
+        self.stats.bytes_reduced += rounded.numel() * rounded.element_size()
+        w.grad_collected()
+        w.grad_landed()
+        if w.grad_state is GradState.LANDED:
+            self._landed[w] = None
+        if param.grad is not None:
+            param.grad.add_(rounded)
+            return
+        new = rounded.to(w.geometry.dtype, memory_format=torch.contiguous_format)
+        if new.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+            new = new.clone()  # autograd's own tensor: someone else may hold it
+        param.grad = new
 
     def _issue(self) -> None:
         """Reduce-scatter the collected gradients as one collective; finalize the previous

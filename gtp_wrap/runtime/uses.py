@@ -193,11 +193,13 @@ class BlockWeights(torch.autograd.Function):
     @staticmethod
     def forward(ctx, uses: Uses, *params: GTPParameter):  # type: ignore[override]
         ctx.uses, ctx.weights = uses, [p.gtp_weight for p in params]
-        ctx.dtypes = [p.dtype for p in params]
+        with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads, not uses
+            ctx.dtypes = [p.dtype for p in params]
+            frozen = [not p.requires_grad for p in params]
         ctx.set_materialize_grads(False)  # a weight the block left unused gets no gradient
         out = [uses._weight_of(w) for w in ctx.weights]
         out = [t.view_as(t) for t in out]  # outputs of this node, not the buffers themselves
-        ctx.mark_non_differentiable(*(t for t, p in zip(out, params) if not p.requires_grad))
+        ctx.mark_non_differentiable(*(t for t, f in zip(out, frozen) if f))
         return tuple(out)
 
     @staticmethod
