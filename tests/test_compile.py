@@ -7,6 +7,8 @@ engine's chain: the same gathers, prefetched, and weights re-gathered in backwar
 from __future__ import annotations
 
 import functools
+import pathlib
+import re
 
 import pytest
 import torch
@@ -85,8 +87,31 @@ def _train(name: str, rank: int, compiled: bool, device: str = "cpu") -> dict:
     return out
 
 
+def _readme_snippet() -> str:
+    """The code block of the README's torch.compile section."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## torch.compile\n", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None, "the README's torch.compile section has no python block"
+    return match.group(1)
+
+
+def _run_readme(compiled: bool) -> list[float]:
+    """The README's snippet (without its gtp_wrap.compile line for the eager run): the losses."""
+    code = _readme_snippet()
+    assert "gtp_wrap.compile(model)" in code
+    if not compiled:
+        code = code.replace("gtp_wrap.compile(model)", "pass")
+    code = code.replace("loss.backward()", "loss.backward()\n    losses.append(loss.item())")
+    scope: dict = {"losses": []}
+    torch._dynamo.reset()
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    return scope["losses"]
+
+
 def _cases(rank: int, world: int) -> dict:
-    results = {
+    results: dict = {"readme": {"eager": _run_readme(False), "compiled": _run_readme(True)}}
+    results |= {
         name: {"eager": _train(name, rank, False), "compiled": _train(name, rank, True)}
         for name in MODELS
     }
@@ -157,6 +182,14 @@ def test_compiled_hf_llama_equals_eager() -> None:
     for rank in _ranks():
         graphs = rank["hf_llama"]["compiled"]["graphs"]
         assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs  # no recompile after step 1
+
+
+def test_readme_snippet_trains_as_eager() -> None:
+    for rank in _ranks():
+        eager, compiled = rank["readme"]["eager"], rank["readme"]["compiled"]
+        assert len(compiled) == 3
+        for e, c in zip(eager, compiled, strict=True):
+            assert abs(c / e - 1) < 1e-5, (eager, compiled)
 
 
 def test_whole_model_compile_is_refused_naming_the_fix() -> None:
