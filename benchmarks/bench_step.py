@@ -17,6 +17,8 @@ length and seed, with AdamW (foreach, or fused with --fused-adamw):
 - gtp_fp8_gemm: FP8 gathers feeding FP8 GEMMs for every Linear's forward (fp8_matmul: true);
 - floor_compile, fsdp2_compile, gtp_compile: floor, fsdp2 and gtp with every block compiled
   by torch.compile (as torchtitan compiles with FSDP2; gtp_wrap.compile for GTP), the rest eager;
+- gtp_blocks: gtp with each block run eagerly on weights gathered once per block call
+  (gtp_wrap.gather_per_block) instead of each use intercepted;
 - gtp_graph: gtp with the whole step (forward, backward, AdamW(capturable=True)) captured in a
   CUDA graph by gtp_wrap.graph_step after the warm-up steps.
 Each reports the median step time over the timed steps after warm-up, tokens/s per GPU, MFU
@@ -60,7 +62,7 @@ MODELS = {
 }  # fmt: skip
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
 METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph", "floor_graph",
-           "floor_compile", "fsdp2_compile", "gtp_compile")  # fmt: skip
+           "floor_compile", "fsdp2_compile", "gtp_compile", "gtp_blocks")  # fmt: skip
 
 
 def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -108,6 +110,8 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
     GTPWrap(model, policy)
     if method == "gtp_compile":
         gtp_wrap.compile(model)
+    if method == "gtp_blocks":
+        gtp_wrap.gather_per_block(model)
     return model, _adamw(model.parameters(), fused_adamw, method == "gtp_graph"), None
 
 

@@ -14,7 +14,7 @@ import sys
 
 from .api import GTPWrap, no_sync, reset_stats, stats
 from .clip import clip_grad_norm_
-from .compilation import compile
+from .compilation import compile, gather_per_block
 from .config.policy import GTPPolicy, LayerRule
 from .describe import Description, ParameterRow, describe
 from .errors import (
@@ -58,6 +58,7 @@ __all__ = [
     "compile",
     "describe",
     "full_state_dict",
+    "gather_per_block",
     "graph_region",
     "graph_step",
     "load_full_state_dict",

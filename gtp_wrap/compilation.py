@@ -1,8 +1,9 @@
-"""torch.compile for a wrapped model: its blocks compiled, the engine running between them."""
+"""Blocks of a wrapped model run on their gathered weights: compiled by torch.compile
+(`compile`), or eagerly (`gather_per_block`); the engine runs between them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -20,9 +21,10 @@ def compile(  # noqa: A001 - torch.compile's counterpart, named as users look fo
 
     Each block's forward runs as compiled code on plain tensors: its sharded weights are
     gathered along the chain just before it runs, and their gradients reduce-scattered in
-    backward as in eager mode (see [Note: compiled blocks] in runtime/compiled.py). Code outside
-    the blocks (embeddings, the head, the loss) stays eager. This is how torchtitan compiles
-    with FSDP2: one block at a time, all blocks of a class sharing one compiled graph.
+    backward as in eager mode (see [Note: blocks on gathered weights] in runtime/blocks.py).
+    Code outside the blocks (embeddings, the head, the loss) stays eager. This is how
+    torchtitan compiles with FSDP2: one block at a time, all blocks of a class sharing one
+    compiled graph.
 
     Args:
         model: a module wrapped by `GTPWrap`.
@@ -34,20 +36,46 @@ def compile(  # noqa: A001 - torch.compile's counterpart, named as users look fo
     `torch.compile(model)` on the whole wrapped model is refused with a `WrapError` naming
     this function: Dynamo cannot trace the sharded parameters' gathers.
     """
+    return _run_blocks(model, blocks, lambda cls: torch.compile(cls.forward, **options))
+
+
+def gather_per_block(
+    model: nn.Module, blocks: str | Iterable[nn.Module] | None = None
+) -> nn.Module:
+    """Run the blocks of a wrapped model eagerly on weights gathered once per block call, in
+    place; returns `model`.
+
+    What `compile` does, without compiling: before a block runs, its weights are gathered and
+    swapped in as plain tensors, so the ops inside it run at plain torch's cost instead of
+    each use of a weight going through the engine's interception (about a third less host work
+    per step on the reference GPT, `benchmarks/RESULTS.md`). `blocks` is chosen as for
+    `compile`. Inside such a block, linear layers take autograd's own backward (the weight
+    gradient in the compute dtype, then rounded to the reduce dtype) and an in-place write to a
+    weight is not refused: it would change the gathered copy only.
+    """
+    return _run_blocks(model, blocks, lambda cls: cls.forward)
+
+
+def _run_blocks(
+    model: nn.Module,
+    blocks: str | Iterable[nn.Module] | None,
+    forward_of: Callable[[type[nn.Module]], Any],
+) -> nn.Module:
+    """Make each chosen block run `forward_of(its class)` on its gathered weights."""
     engine = engine_of(model)
     chosen = _blocks(model, blocks)
     if not chosen:
         raise WrapError(
-            f"gtp_wrap.compile found no blocks to compile in {type(model).__name__}"
+            f"found no blocks in {type(model).__name__}"
             + (f" matching '{blocks}'" if isinstance(blocks, str) else "")
             + ": pass blocks= a class name or the modules (e.g. model.layers)"
         )
-    compiled: dict[type, Any] = {}
+    forwards: dict[type[nn.Module], Any] = {}
     for block in chosen:
         cls = type(block)
-        if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, **options)
-        engine.compile_block(block, compiled[cls])
+        if cls not in forwards:
+            forwards[cls] = forward_of(cls)
+        engine.gather_per_block(block, forwards[cls])
     return model
 
 

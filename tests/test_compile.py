@@ -55,15 +55,18 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
 
 
-def _train(name: str, rank: int, compiled: bool, device: str = "cpu") -> dict:
-    """STEPS AdamW steps of model `name`, eager or compiled; what the test compares."""
+def _train(name: str, rank: int, mode: str, device: str = "cpu") -> dict:
+    """STEPS AdamW steps of model `name`: eager, compiled, or eager with gather_per_block;
+    what the tests compare."""
     build, vocab, micro = MODELS[name]
     torch.manual_seed(0)
     model = GTPWrap(build().to(device), POLICY)
-    if compiled:
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    if mode == "compiled":
         gtp_wrap.compile(model)
+    elif mode == "per_block":
+        gtp_wrap.gather_per_block(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(rank)
     out: dict = {"losses": [], "graphs": []}
@@ -112,7 +115,7 @@ def _run_readme(compiled: bool) -> list[float]:
 def _cases(rank: int, world: int) -> dict:
     results: dict = {"readme": {"eager": _run_readme(False), "compiled": _run_readme(True)}}
     results |= {
-        name: {"eager": _train(name, rank, False), "compiled": _train(name, rank, True)}
+        name: {mode: _train(name, rank, mode) for mode in ("eager", "compiled", "per_block")}
         for name in MODELS
     }
     model = GTPWrap(_gpt(), POLICY)
@@ -130,18 +133,17 @@ def _cuda_cases(rank: int, world: int) -> dict:
     torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False  # eager and Inductor: the same fp32 GEMMs
     torch.backends.cudnn.allow_tf32 = False
-    return {"gpt": {kind: _train("gpt", rank, kind == "compiled", "cuda") for kind in
-                    ("eager", "compiled")}}  # fmt: skip
+    return {"gpt": {mode: _train("gpt", rank, mode, "cuda") for mode in ("eager", "compiled")}}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = 1e-6) -> None:
     torch.testing.assert_close(a, b, rtol=1e-4, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def _check_parity(name: str, ranks: list[dict] | None = None) -> None:
+def _check_parity(name: str, ranks: list[dict] | None = None, mode: str = "compiled") -> None:
     ranks = ranks or _ranks()
     for rank in ranks:
-        eager, compiled = rank[name]["eager"], rank[name]["compiled"]
+        eager, compiled = rank[name]["eager"], rank[name][mode]
         for e, c in zip(eager["losses"], compiled["losses"], strict=True):
             assert abs(c / e - 1) < 1e-5, (name, eager["losses"], compiled["losses"])
         for n, g in eager["grads"].items():
@@ -184,6 +186,14 @@ def test_compiled_hf_llama_equals_eager() -> None:
         assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs  # no recompile after step 1
 
 
+def test_gather_per_block_equals_eager() -> None:
+    """The blocks run eagerly on weights gathered once per block call: the same training."""
+    for name in MODELS:
+        _check_parity(name, mode="per_block")
+        for rank in _ranks():
+            assert rank[name]["per_block"]["graphs"] == [0, 0, 0]  # nothing was compiled
+
+
 def test_readme_snippet_trains_as_eager() -> None:
     for rank in _ranks():
         eager, compiled = rank["readme"]["eager"], rank["readme"]["compiled"]
@@ -196,7 +206,7 @@ def test_whole_model_compile_is_refused_naming_the_fix() -> None:
     for rank in _ranks():
         assert rank["whole_model"].startswith("WrapError: torch.compile traced into")
         assert "gtp_wrap.compile(model)" in rank["whole_model"]
-        assert "is compiled already" in rank["twice"]
+        assert "runs on gathered weights already" in rank["twice"]
 
 
 @pytest.mark.gpu

@@ -37,9 +37,9 @@ from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError, WrapError
 from ..mesh import GTPMesh
 from ..precision.encoding import Precision
+from .blocks import GatheredBlock, refuse_tracing
 from .casts import Casts, install_optimizer_hook
 from .chain import PassKind, PassState
-from .compiled import CompiledBlock, refuse_tracing
 from .gather import Gatherer
 from .part import Shared
 from .passes import Passes
@@ -201,16 +201,20 @@ class GTPEngine:
         if self._opened and self._opened.pop():
             self.close_forward(module, args, output)
 
-    def compile_block(self, block: nn.Module, compiled: Callable) -> None:
-        """Run `block` as `compiled` (its class's forward, compiled) on its gathered weights
-        (see [Note: compiled blocks]); the block becomes the owner of the weights inside it."""
-        if isinstance(block.__dict__.get("forward"), CompiledBlock):
-            raise WrapError(f"'{self._names[id(block)]}' is compiled already")
+    def gather_per_block(self, block: nn.Module, forward: Callable) -> None:
+        """Run `block` as `forward(block, ...)` (its class's forward, compiled or not) on its
+        weights gathered once per call (see [Note: blocks on gathered weights]); the block
+        becomes the owner of the weights inside it."""
+        if isinstance(block.__dict__.get("forward"), GatheredBlock):
+            raise WrapError(
+                f"'{self._names[id(block)]}' runs on gathered weights already (gtp_wrap.compile "
+                "or gtp_wrap.gather_per_block was applied to it): apply one of them once"
+            )
         for module in block.modules():
             for handle in self._owner_hooks.pop(id(module), ()):
                 handle.remove()
         self._hook_owner(block)
-        block.forward = CompiledBlock(block, compiled, self.uses)
+        block.forward = GatheredBlock(block, forward, self.uses)
 
     # ---- the pass lifecycle -------------------------------------------------------------
 

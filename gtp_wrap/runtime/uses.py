@@ -114,8 +114,8 @@ class Uses:
         return func(*args, **kwargs)
 
     def materialize(self, params: Sequence[GTPParameter]) -> list[torch.Tensor]:
-        """The weight one use of each parameter sees, in order: a compiled block's weights,
-        gathered before its compiled code runs (see [Note: compiled blocks])."""
+        """The weight one use of each parameter sees, in order: a block's weights, gathered
+        before its forward runs (see [Note: blocks on gathered weights], runtime/blocks.py)."""
         if not self.passes.stack:
             self.runtime.ensure_backward()  # a checkpoint recompute: uses inside backward
         if not torch.is_grad_enabled():
@@ -185,8 +185,8 @@ class Uses:
 
 
 class BlockWeights(torch.autograd.Function):
-    """The weights of a compiled block, one use each, as one autograd node: per block one
-    node to make and run instead of one `RouteGrad` or `CastGrad` per weight. Its backward
+    """The weights of a block run on gathered weights, one use each, as one autograd node: per
+    block one node to make and run instead of one `RouteGrad` or `CastGrad` per weight. Its backward
     hands each sharded weight's gradient to the reduce-scatter and casts each replicated one's
     back to its parameter's dtype."""
 

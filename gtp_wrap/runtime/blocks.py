@@ -1,13 +1,17 @@
-"""Compiled blocks: a block run as `torch.compile`d code on plain full weights.
+"""Blocks run on their gathered weights: compiled by `torch.compile`, or eagerly.
 
-[Note: compiled blocks] Dynamo cannot trace a GTPParameter's interception: its
+[Note: blocks on gathered weights] Dynamo cannot trace a GTPParameter's interception: its
 `__torch_function__` runs the engine (the pass stack, the chains, collectives), host state that
 a graph cannot hold. So a compiled block does what FSDP2 does for compiled code: its weights are
 gathered before the compiled forward runs, one use each along the chain, wired so that their
 gradients reach the reducer, and put in the module slots where the parameters sit; the compiled
-code sees plain tensors, and the parameters go back when it returns. Everything it saves for
-backward passes through the forward pass's saved-tensor hooks like any other saved tensor, so a
-saved weight is rematerialized in backward, never kept alive (see runtime/gather.py).
+code sees plain tensors, and the parameters go back when it returns. Everything the block saves
+for backward passes through the forward pass's saved-tensor hooks like any other saved tensor, so
+a saved weight is rematerialized in backward, never kept alive (see runtime/gather.py).
+
+The same without compiling (`gather_per_block`) saves host time in eager mode: the ops inside the
+block no longer pass through the interception one by one, and the block's weights are one
+autograd node.
 
 One compiled function per block class serves every block of that class. For that the modules
 inside a block carry no hooks of ours: Dynamo guards on module hook ids, so hooked submodules
@@ -28,22 +32,22 @@ from ..errors import WrapError
 
 
 class BlockRuntime(Protocol):
-    """What a compiled block asks of its engine."""
+    """What a block on gathered weights asks of its engine."""
 
     def materialize(self, params: Sequence[GTPParameter]) -> list[torch.Tensor]:
         """The weights one use of each of `params` sees, as in an intercepted use."""
         ...
 
 
-class CompiledBlock:
-    """The forward of one compiled block: gather its weights, swap them in, run the compiled
-    code, swap the parameters back."""
+class GatheredBlock:
+    """The forward of one block: gather its weights, swap them in, run its forward (compiled
+    or not), swap the parameters back."""
 
-    __slots__ = ("block", "compiled", "params", "slots", "runtime")
+    __slots__ = ("block", "forward", "params", "slots", "runtime")
 
-    def __init__(self, block: nn.Module, compiled: Callable, runtime: BlockRuntime) -> None:
+    def __init__(self, block: nn.Module, forward: Callable, runtime: BlockRuntime) -> None:
         self.block = block
-        self.compiled = compiled  # the block class's forward, compiled: takes the block first
+        self.forward = forward  # the block class's forward (compiled or not): takes the block
         self.runtime = runtime
         self.params: list[GTPParameter] = []  # each managed parameter once (tied ones too)
         # Every slot that holds one of them: (the module's parameter dict, name, which).
@@ -62,7 +66,7 @@ class CompiledBlock:
         for slot, name, which in self.slots:
             slot[name] = weights[which]
         try:
-            return self.compiled(self.block, *args, **kwargs)
+            return self.forward(self.block, *args, **kwargs)
         finally:
             for slot, name, which in self.slots:
                 slot[name] = self.params[which]
