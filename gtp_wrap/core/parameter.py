@@ -46,6 +46,11 @@ _TENSOR_GETTERS = frozenset(getattr(torch.Tensor, name).__get__ for name in ("T"
 _ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
 _GRAD_GET = frozenset({torch.Tensor.grad.__get__})  # type: ignore[union-attr]
 _TORCH_CLIP_FILE = sys.modules["torch.nn.utils.clip_grad"].__file__
+_graph_task_id = torch._C._current_graph_task_id
+# `func` run as on a plain tensor (torch's own no-override path, in C++): what every op on a
+# managed parameter outside passes costs, an optimizer step's attribute reads included.
+_plain = torch._C._disabled_torch_function_impl
+_NO_KWARGS: dict = {}  # never written: `func` gets its keywords unpacked
 
 
 class OpenPasses:
@@ -63,12 +68,11 @@ class GTPParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        if not OpenPasses.count and torch._C._current_graph_task_id() == -1:
+        if not OpenPasses.count and _graph_task_id() == -1:  # optimizer steps, state dicts
             if func in _GRAD_GET:  # torch's clip reads grads outside passes: never on a use
                 _refuse_per_rank_clip(args[0])
-            with torch._C.DisableTorchFunctionSubclass():  # optimizer steps, state dicts
-                return func(*args, **kwargs)
+            return _plain(func, types, args, kwargs or _NO_KWARGS)
+        kwargs = kwargs or {}
         runtime = _runtime_of(args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             if runtime is None:
