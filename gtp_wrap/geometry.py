@@ -94,7 +94,9 @@ class ShardGeometry:
 
     def local_of_slot(self, slot: torch.Tensor) -> torch.Tensor:
         """The rows of a slot-sized tensor that this rank owns, in the logical layout."""
-        block = slot[: self.local_rows * self.row_numel].view(self.local_rows, *self.rest)
+        numel = self.local_rows * self.row_numel
+        rows = slot if numel == slot.numel() else slot[:numel]  # a slice only past padding
+        block = rows.view(self.local_rows, *self.rest)
         return block if self.dim == 0 else block.movedim(0, self.dim)
 
     @functools.cached_property
