@@ -115,3 +115,17 @@ class DeepMLP(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+def tiny_llama_config():  # -> transformers.LlamaConfig (imported here: most tests need none)
+    """A small random Hugging Face Llama: 2 layers, width 32, grouped-query attention."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )

@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 from harness import cached_ranks, caught, run_ranks
-from models import TinyGPT
-from transformers import LlamaConfig, LlamaForCausalLM
+from models import TinyGPT, tiny_llama_config
+from transformers import LlamaForCausalLM
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
@@ -29,15 +29,7 @@ def _gpt() -> torch.nn.Module:
 
 
 def _llama() -> torch.nn.Module:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_llama_config())
 
 
 MODELS = {  # name: (build, vocab, micro-batches per step)

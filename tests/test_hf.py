@@ -8,6 +8,7 @@ from unittest import mock
 import pytest
 import torch
 from harness import run_ranks
+from models import tiny_llama_config
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -18,14 +19,7 @@ POLICY = {"min_shard_numel": 64, "collective_timeout_s": 30}  # shards even the 
 
 
 def _config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    return tiny_llama_config()
 
 
 def _llama() -> LlamaForCausalLM:

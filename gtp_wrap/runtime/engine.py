@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
-from torch.utils.hooks import RemovableHandle
 
 from ..comm.agreement import Agreement
 from ..comm.comm import Comm
@@ -41,6 +40,7 @@ from .blocks import GatheredBlock, refuse_tracing
 from .casts import Casts, install_optimizer_hook
 from .chain import PassKind, PassState
 from .gather import Gatherer
+from .owners import Owners
 from .part import Shared
 from .passes import Passes
 from .reduce import GradReducer
@@ -159,7 +159,7 @@ class GTPEngine:
         self.keep_buffers = False
         root.register_forward_pre_hook(self.open_forward, with_kwargs=True)
         root.register_forward_hook(self.close_forward, always_call=True)
-        self._hook_owners(root, plans)
+        self.owners = Owners(root, [m for plan in plans for m, _ in plan.owners], self)
 
     def __deepcopy__(self, memo: dict) -> GTPEngine:
         raise WrapError(
@@ -169,51 +169,16 @@ class GTPEngine:
             "fresh unwrapped model"
         )
 
-    def _hook_owners(self, root: nn.Module, plans: list[ParameterPlan]) -> None:
-        """A submodule called on its own (`model.embed(idx)` in generation code) opens a pass
-        too, so its weights are gathered rather than silently used as local shards."""
-        self._opened: list[bool] = []  # per owner call in progress: whether it opened a pass
-        self._names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
-        self._owner_hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
-        for plan in plans:
-            for module, _ in plan.owners:
-                if module is not root and id(module) not in self._owner_hooks:
-                    self._hook_owner(module)
-
-    def _hook_owner(self, module: nn.Module) -> None:
-        self._owner_hooks[id(module)] = (
-            module.register_forward_pre_hook(self._owner_pre, with_kwargs=True),
-            module.register_forward_hook(self._owner_post, always_call=True),
-        )
-
-    def _owner_pre(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        if torch.compiler.is_compiling():
-            refuse_tracing(f"the hooks of '{self._names[id(module)]}' of a wrapped model")
-        self.close_abandoned_backward()
-        # Inside backward (a checkpoint recompute) uses are intercepted already.
-        opened = not self.passes.stack and torch._C._current_graph_task_id() == -1
-        self._opened.append(opened)
-        if not opened:
-            return None
-        return self.open_forward(module, args, kwargs, opener=self._names[id(module)])
-
-    def _owner_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._opened and self._opened.pop():
-            self.close_forward(module, args, output)
-
     def gather_per_block(self, block: nn.Module, forward: Callable) -> None:
         """Run `block` as `forward(block, ...)` (its class's forward, compiled or not) on its
         weights gathered once per call (see [Note: blocks on gathered weights]); the block
         becomes the owner of the weights inside it."""
         if isinstance(block.__dict__.get("forward"), GatheredBlock):
             raise WrapError(
-                f"'{self._names[id(block)]}' runs on gathered weights already (gtp_wrap.compile "
+                f"'{self.owners.name(block)}' runs on gathered weights already (gtp_wrap.compile "
                 "or gtp_wrap.gather_per_block was applied to it): apply one of them once"
             )
-        for module in block.modules():
-            for handle in self._owner_hooks.pop(id(module), ()):
-                handle.remove()
-        self._hook_owner(block)
+        self.owners.take_block(block)
         block.forward = GatheredBlock(block, forward, self.uses)
 
     # ---- the pass lifecycle -------------------------------------------------------------

@@ -1,0 +1,80 @@
+"""Owners: the modules whose own call opens a pass when none is open.
+
+The root's forward opens the model's passes. A submodule called on its own (`model.embed(idx)`
+in generation code) must open one too, so its weights are gathered rather than silently used
+as local shards: every module that holds managed weights (an owner) gets a forward pre-hook and
+an always-called forward hook that open and close a pass around its call when none is open. A
+block that runs on its gathered weights (runtime/blocks.py) becomes the owner of everything
+inside it, whose own hooks go (see [Note: blocks on gathered weights]).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .blocks import refuse_tracing
+from .passes import Passes
+
+
+class PassOpener(Protocol):
+    """What an owner's hooks ask of the engine."""
+
+    passes: Passes
+
+    def close_abandoned_backward(self) -> None: ...
+
+    def open_forward(
+        self, module: nn.Module, args: Any, kwargs: dict, opener: str | None = None
+    ) -> Any: ...
+
+    def close_forward(self, module: nn.Module, args: Any, output: Any) -> None: ...
+
+
+class Owners:
+    """The hooked owners of one wrapped model."""
+
+    def __init__(self, root: nn.Module, owners: list[nn.Module], engine: PassOpener) -> None:
+        self._engine = engine
+        self._opened: list[bool] = []  # per owner call in progress: whether it opened a pass
+        self._names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+        self._hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        for module in owners:
+            if module is not root and id(module) not in self._hooks:
+                self._hook(module)
+
+    def name(self, module: nn.Module) -> str:
+        """The module's name in the wrapped model (its first, for a module under several)."""
+        return self._names[id(module)]
+
+    def take_block(self, block: nn.Module) -> None:
+        """Make `block` the one owner of the weights inside it."""
+        for module in block.modules():
+            for handle in self._hooks.pop(id(module), ()):
+                handle.remove()
+        self._hook(block)
+
+    def _hook(self, module: nn.Module) -> None:
+        self._hooks[id(module)] = (
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post, always_call=True),
+        )
+
+    def _pre(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
+        if torch.compiler.is_compiling():
+            refuse_tracing(f"the hooks of '{self.name(module)}' of a wrapped model")
+        engine = self._engine
+        engine.close_abandoned_backward()
+        # Inside backward (a checkpoint recompute) uses are intercepted already.
+        opened = not engine.passes.stack and torch._C._current_graph_task_id() == -1
+        self._opened.append(opened)
+        if not opened:
+            return None
+        return engine.open_forward(module, args, kwargs, opener=self.name(module))
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._opened and self._opened.pop():
+            self._engine.close_forward(module, args, output)
