@@ -201,8 +201,9 @@ def _failed_collective(rank: int, world: int) -> str:
     engine = engine_of(GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0}))
     with torch.inference_mode():  # gloo cannot write into it outside inference mode
         out = torch.empty(16)
+    own = out.narrow(0, 8 * rank, 8)
     (pending,) = engine.comm.all_gather(
-        engine.mesh.gtp, [out], [torch.ones(8)], "all-gather of 'probe' (step {step})"
+        engine.mesh.gtp, [out], [own], [torch.ones(8)], "all-gather of 'probe' (step {step})"
     )
     got = caught(lambda: engine.comm.wait(pending))
     engine.agreement.exchange("done", [])  # neither rank tears down while its peer still waits

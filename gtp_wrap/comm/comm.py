@@ -129,13 +129,16 @@ class Comm:
         self,
         axis: MeshAxis,
         outs: list[torch.Tensor],
+        owns: list[torch.Tensor],
         shards: list[torch.Tensor],
         what: str,
         context: str = "",
     ) -> list[Pending]:
         """Gather each shard into its output over `axis` (the weights' mesh role), all in one
         collective (one grouped NCCL launch); a shard of another dtype than its output is cast
-        on the way. Copy-engine collectives, where set up, serve the gtp role.
+        on the way, into the output's part of this rank (`owns`: views made once by the
+        caller), and gathered in place. Copy-engine collectives, where set up, serve the gtp
+        role.
 
         [Note: a Pending per output] Each output gets its own Pending, waited for by whoever uses
         that output: on NCCL a wait orders only the calling stream, so one wait for the group would
@@ -145,7 +148,7 @@ class Comm:
         if self.gather_copies is not None:  # casts on its own stream
             copies = self.gather_copies.all_gather(outs, shards)
             return [Pending((copies,), what, context) for _ in outs]
-        shards = [self._in_place(axis, out, shard) for out, shard in zip(outs, shards)]
+        shards = [own.copy_(s) if s.dtype != own.dtype else s for own, s in zip(owns, shards)]
         # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
         # checks per call, paid on every weight use.
         group = axis.group
@@ -173,16 +176,6 @@ class Comm:
         where, step = self._where[axis.name], self._step()
         number = self.watch.record(where, len(works), what, context, step)
         return [Pending(works, what, context, where, number, step) for _ in range(outputs)]
-
-    def _in_place(self, axis: MeshAxis, out: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
-        """A shard of another dtype than its gather, cast into this rank's part of the output,
-        which the process group then gathers in place (NCCL and gloo allow it)."""
-        if shard.dtype == out.dtype:
-            return shard
-        n = shard.numel()
-        own = out.narrow(0, axis.rank * n, n)  # one view op (a view and a select are two)
-        own.copy_(shard)
-        return own
 
     def reduce_scatter(
         self, axis: MeshAxis, outs: list[torch.Tensor], fulls: list[torch.Tensor], what: str

@@ -31,11 +31,16 @@ class BufferState(enum.Enum):
 class GatherBuffer:
     """One flat buffer of `numel` elements; its state is derived, never stored twice."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, numel: int, dtype: torch.dtype, device: torch.device, rank: int, world: int
+    ) -> None:
         # A pool outlives any inference_mode block: a buffer made inside one (an eval forward)
         # must stay writable by the training steps after it.
         with torch.inference_mode(False):
             self.tensor = torch.empty(numel, dtype=dtype, device=device)
+            # This rank's part, where its shard is cast before an in-place gather: made once,
+            # so it counts in the baseline below, not as a view in use.
+            self.own = self.tensor.narrow(0, rank * (numel // world), numel // world)
         self._storage = self.tensor.untyped_storage()
         self._baseline = self._use_count()
         self.gathering = False
@@ -71,8 +76,9 @@ class GatherBuffer:
 class GatherBufferPool:
     """Gather buffers keyed by (numel, dtype); grows only when every matching buffer is busy."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, rank: int, world: int) -> None:
         self.device = device
+        self.rank, self.world = rank, world  # of the group its buffers gather over
         self._by_key: dict[tuple[int, torch.dtype], list[GatherBuffer]] = {}
         self._by_ptr: dict[int, GatherBuffer] = {}
         self.total_bytes = 0  # memory held by gather buffers
@@ -84,7 +90,7 @@ class GatherBufferPool:
             if buf.state is BufferState.FREE:
                 break
         else:
-            buf = GatherBuffer(numel, dtype, self.device)
+            buf = GatherBuffer(numel, dtype, self.device, self.rank, self.world)
             buffers.append(buf)
             self._by_ptr[buf.data_ptr] = buf
             self.total_bytes += buf.nbytes

@@ -48,8 +48,9 @@ class Gatherer(Part):
         # keeps the addresses it was captured with, so handing one of its buffers to an eager
         # pass would let a replay overwrite it. Replays never overlap each other, so all
         # regions share one pool.
-        self.eager = GatherBufferPool(self.device)
-        self.graphed = GatherBufferPool(self.device)
+        gtp = self.comm.gtp
+        self.eager = GatherBufferPool(self.device, gtp.rank, gtp.size)
+        self.graphed = GatherBufferPool(self.device, gtp.rank, gtp.size)
         self.pool = self.eager
 
     def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
@@ -95,7 +96,8 @@ class Gatherer(Part):
         what = describe_group(weights, "all-gather of", weights[0].what_gather, context)
         # A chain group's weights share their mesh role (the gtp group, the only one today).
         axis = weights[0].axis
-        pendings = self.comm.all_gather(axis, [b.tensor for b in bufs], sends, what, context)
+        outs, owns = [b.tensor for b in bufs], [b.own for b in bufs]
+        pendings = self.comm.all_gather(axis, outs, owns, sends, what, context)
         self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.total_bytes())
         self.stats.gathers += len(weights)
         return [Gather(w, buf, pending) for w, buf, pending in zip(weights, bufs, pendings)]
