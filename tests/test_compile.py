@@ -104,6 +104,28 @@ def _run_readme(compiled: bool) -> list[float]:
     return scope["losses"]
 
 
+class _ReadsOutside(torch.nn.Module):
+    """A block that reads a weight of a module outside it (kept out of its submodules)."""
+
+    def __init__(self, outside: torch.nn.Linear) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.__dict__["outside"] = outside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) @ self.outside.weight
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList([_ReadsOutside(self.first)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](self.first(x))
+
+
 def _cases(rank: int, world: int) -> dict:
     results: dict = {"readme": {"eager": _run_readme(False), "compiled": _run_readme(True)}}
     results |= {
@@ -114,6 +136,8 @@ def _cases(rank: int, world: int) -> dict:
     ids = torch.randint(0, 256, (2, 16))
     results["whole_model"] = caught(lambda: torch.compile(model)(ids))
     results["twice"] = caught(lambda: gtp_wrap.compile(gtp_wrap.compile(model)))
+    outer = gtp_wrap.compile(GTPWrap(_Outer(), POLICY))
+    results["outside"] = caught(lambda: outer(torch.randn(2, 16)))
     return results
 
 
@@ -199,6 +223,9 @@ def test_whole_model_compile_is_refused_naming_the_fix() -> None:
         assert rank["whole_model"].startswith("WrapError: torch.compile traced into")
         assert "gtp_wrap.compile(model)" in rank["whole_model"]
         assert "runs on gathered weights already" in rank["twice"]
+        # Dynamo's internal error on a weight from outside the block, named for what it is.
+        assert rank["outside"].startswith("WrapError: torch.compile failed inside block")
+        assert "holds every weight it reads" in rank["outside"]
 
 
 @pytest.mark.gpu

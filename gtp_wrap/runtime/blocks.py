@@ -43,9 +43,12 @@ class GatheredBlock:
     """The forward of one block: gather its weights, swap them in, run its forward (compiled
     or not), swap the parameters back."""
 
-    __slots__ = ("block", "forward", "params", "slots", "runtime")
+    __slots__ = ("name", "block", "forward", "params", "slots", "runtime")
 
-    def __init__(self, block: nn.Module, forward: Callable, runtime: BlockRuntime) -> None:
+    def __init__(
+        self, name: str, block: nn.Module, forward: Callable, runtime: BlockRuntime
+    ) -> None:
+        self.name = name  # in the wrapped model, for errors
         self.block = block
         self.forward = forward  # the block class's forward (compiled or not): takes the block
         self.runtime = runtime
@@ -67,6 +70,17 @@ class GatheredBlock:
             slot[name] = weights[which]
         try:
             return self.forward(self.block, *args, **kwargs)
+        except Exception as error:
+            if type(error).__name__ != "InternalTorchDynamoError":
+                raise
+            # Dynamo fails inside when it meets a managed parameter: one the block reads from
+            # a module outside it, so it was not swapped in.
+            raise WrapError(
+                f"torch.compile failed inside block '{self.name}' ({error}). Where the block "
+                "reads a sharded weight that a module outside it holds, Dynamo cannot trace it "
+                "(only the block's own weights are gathered before it runs): compile a block "
+                "that holds every weight it reads, or leave this one eager"
+            ) from error
         finally:
             for slot, name, which in self.slots:
                 slot[name] = self.params[which]

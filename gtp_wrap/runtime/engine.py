@@ -179,7 +179,7 @@ class GTPEngine:
                 "or gtp_wrap.gather_per_block was applied to it): apply one of them once"
             )
         self.owners.take_block(block)
-        block.forward = GatheredBlock(block, forward, self.uses)
+        block.forward = GatheredBlock(self.owners.name(block), block, forward, self.uses)
 
     # ---- the pass lifecycle -------------------------------------------------------------
 
