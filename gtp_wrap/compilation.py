@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core.parameter import GTPParameter
+from .core.weight import ShardedWeight
 from .errors import WrapError
 from .runtime.engine import engine_of
 
@@ -75,7 +75,7 @@ def _run_blocks(
         cls = type(block)
         if cls not in forwards:
             forwards[cls] = forward_of(cls)
-        engine.gather_per_block(block, forwards[cls])
+        engine.run_on_gathered_weights(block, forwards[cls])
     return model
 
 
@@ -87,7 +87,7 @@ def _blocks(model: nn.Module, blocks: str | Iterable[nn.Module] | None) -> list[
             for lst in model.modules()
             if isinstance(lst, nn.ModuleList)
             for m in lst
-            if any(type(p) is GTPParameter for p in m.parameters())
+            if any(type(getattr(p, "gtp_weight", None)) is ShardedWeight for p in m.parameters())
         ]
     elif isinstance(blocks, str):
         found = [m for m in model.modules() if any(c.__name__ == blocks for c in type(m).__mro__)]

@@ -117,11 +117,13 @@ class DeepMLP(nn.Module):
         return x
 
 
-def tiny_llama_config():  # -> transformers.LlamaConfig (imported here: most tests need none)
+def tiny_llama_config(**overrides):  # -> transformers.LlamaConfig (imported here: most tests
+    # need none)
     """A small random Hugging Face Llama: 2 layers, width 32, grouped-query attention."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
+        **overrides,
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,

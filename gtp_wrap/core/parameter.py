@@ -71,6 +71,8 @@ class GTPParameter(nn.Parameter):
         if not OpenPasses.count and _graph_task_id() == -1:  # optimizer steps, state dicts
             if func in _GRAD_GET:  # torch's clip reads grads outside passes: never on a use
                 _refuse_per_rank_clip(args[0])
+            elif func in _MODULE_COMPUTE:
+                _refuse_compute_on_shards(func, args, kwargs)
             return _plain(func, types, args, kwargs or _NO_KWARGS)
         kwargs = kwargs or {}
         runtime = _runtime_of(args, kwargs)
@@ -146,6 +148,28 @@ def _refuse_per_rank_clip(param: GTPParameter) -> None:
                 "rank's shards"
             )
         frame = frame.f_back
+
+
+# What a module's forward computes with its weight: outside passes, on a sharded parameter, it
+# would compute with this rank's rows.
+_MODULE_COMPUTE = frozenset({F.linear, F.embedding, F.bilinear, F.conv1d, F.conv2d, F.conv3d})
+
+
+def _refuse_compute_on_shards(func, args: tuple, kwargs: dict | None) -> None:
+    """A module called outside any pass, whose weight is sharded over more than one rank,
+    would silently compute with this rank's rows. Owners open a pass around their own calls;
+    a module inside a block that runs on gathered weights is no owner (runtime/owners.py)."""
+    found = [a for a in (*args, *(kwargs or {}).values()) if type(a) is GTPParameter]
+    for p in found:
+        weight = p.gtp_weight
+        if type(weight) is ShardedWeight and weight.axis.size > 1:
+            raise WrapError(
+                f"{func.__name__} used '{weight.fqn}' outside a forward or backward pass of "
+                f"the wrapped model, where it holds only this rank's rows of the weight. A "
+                "module inside a block that runs on gathered weights (gtp_wrap.compile, "
+                "gtp_wrap.gather_per_block) opens no pass of its own: call the block, or the "
+                "model"
+            )
 
 
 # The in-place Python operators; PyTorch's in-place ops end in one underscore.

@@ -160,6 +160,7 @@ class GTPEngine:
         root.register_forward_pre_hook(self.open_forward, with_kwargs=True)
         root.register_forward_hook(self.close_forward, always_call=True)
         self.owners = Owners(root, [m for plan in plans for m, _ in plan.owners], self)
+        self._gathered_blocks: list[nn.Module] = []  # run on gathered weights (blocks.py)
 
     def __deepcopy__(self, memo: dict) -> GTPEngine:
         raise WrapError(
@@ -169,17 +170,26 @@ class GTPEngine:
             "fresh unwrapped model"
         )
 
-    def gather_per_block(self, block: nn.Module, forward: Callable) -> None:
+    def run_on_gathered_weights(self, block: nn.Module, forward: Callable) -> None:
         """Run `block` as `forward(block, ...)` (its class's forward, compiled or not) on its
         weights gathered once per call (see [Note: blocks on gathered weights]); the block
         becomes the owner of the weights inside it."""
-        if isinstance(block.__dict__.get("forward"), GatheredBlock):
-            raise WrapError(
-                f"'{self.owners.name(block)}' runs on gathered weights already (gtp_wrap.compile "
-                "or gtp_wrap.gather_per_block was applied to it): apply one of them once"
-            )
+        for module in block.modules():  # the block, or a module inside it
+            if isinstance(module.__dict__.get("forward"), GatheredBlock):
+                self._refuse_gathered_twice(module)
+        for taken in self._gathered_blocks:  # a block around it
+            if any(m is block for m in taken.modules()):
+                self._refuse_gathered_twice(taken)
         self.owners.take_block(block)
         block.forward = GatheredBlock(self.owners.name(block), block, forward, self.uses)
+        self._gathered_blocks.append(block)
+
+    def _refuse_gathered_twice(self, module: nn.Module) -> None:
+        raise WrapError(
+            f"'{self.owners.name(module)}' runs on gathered weights already (gtp_wrap.compile or "
+            "gtp_wrap.gather_per_block was applied to it or to a module around it): apply one "
+            "of them once, to the blocks alone"
+        )
 
     # ---- the pass lifecycle -------------------------------------------------------------
 

@@ -5,7 +5,9 @@ in generation code) must open one too, so its weights are gathered rather than s
 as local shards: every module that holds managed weights (an owner) gets a forward pre-hook and
 an always-called forward hook that open and close a pass around its call when none is open. A
 block that runs on its gathered weights (runtime/blocks.py) becomes the owner of everything
-inside it, whose own hooks go (see [Note: blocks on gathered weights]).
+inside it, whose own hooks go (see [Note: blocks on gathered weights]): a module inside such a
+block, called on its own, opens no pass, and a sharded weight it computes with outside passes
+is refused (core/parameter.py), not read as this rank's rows.
 """
 
 from __future__ import annotations

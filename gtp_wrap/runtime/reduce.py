@@ -104,6 +104,7 @@ class GradReducer(Part):
         param = w.param
         rounded = grad.to(dtype).reshape(param.shape)
         self.stats.bytes_reduced += rounded.numel() * rounded.element_size()
+        self.stats.reduce_scatters += 1  # as a group's is counted, though none is issued
         w.grad_collected()
         w.grad_landed()
         if w.grad_state is GradState.LANDED:

@@ -122,6 +122,10 @@ class Uses:
             return [self._weight_of(p.gtp_weight) for p in params]
         return list(BlockWeights.apply(self, *params))
 
+    def zeros_like_use(self, w: ShardedWeight) -> torch.Tensor:
+        """A zero gradient of the weight a use of `w` sees."""
+        return torch.zeros(w.meta.shape, dtype=w.meta.dtype, device=self.gatherer.device)
+
     def _weight_of(self, w: ShardedWeight | CastWeight) -> torch.Tensor:
         """What one use of `w` reads: its gathered full weight, or its compute-dtype copy."""
         return self.gatherer.gather(w) if type(w) is ShardedWeight else w.cast  # type: ignore[union-attr]
@@ -186,9 +190,18 @@ class Uses:
 
 class BlockWeights(torch.autograd.Function):
     """The weights of a block run on gathered weights, one use each, as one autograd node: per
-    block one node to make and run instead of one `RouteGrad` or `CastGrad` per weight. Its backward
-    hands each sharded weight's gradient to the reduce-scatter and casts each replicated one's
-    back to its parameter's dtype."""
+    block one node to make and run instead of one `RouteGrad` or `CastGrad` per weight. Its
+    backward hands the gradient of each sharded weight this backward asks for to the
+    reduce-scatter, and casts each replicated one's back to its parameter's dtype.
+
+    [Note: unused weights of a block] Every rank gathers every weight of a block, whatever the
+    block then uses, so a rank's forward cannot show that its ranks took different branches
+    (a mixture of experts routing each rank to its own expert). Backward must still issue the
+    same reduce-scatters on every rank: a weight the block left unused here gets a zero
+    gradient, which is its true gradient on this rank. So after a backward that reaches the
+    block, each of its weights has a `.grad`, zero where no rank used it (DDP's buckets do the
+    same).
+    """
 
     @staticmethod
     def forward(ctx, uses: Uses, *params: GTPParameter):  # type: ignore[override]
@@ -196,7 +209,7 @@ class BlockWeights(torch.autograd.Function):
         with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads, not uses
             ctx.dtypes = [p.dtype for p in params]
             frozen = [not p.requires_grad for p in params]
-        ctx.set_materialize_grads(False)  # a weight the block left unused gets no gradient
+        ctx.set_materialize_grads(False)  # unused weights: zeros made only where needed
         out = [uses._weight_of(w) for w in ctx.weights]
         out = [t.view_as(t) for t in out]  # outputs of this node, not the buffers themselves
         ctx.mark_non_differentiable(*(t for t, f in zip(out, frozen) if f))
@@ -204,14 +217,16 @@ class BlockWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
-        runtime: GradRuntime = ctx.uses.runtime
-        out: list[torch.Tensor | None] = [None]
-        for w, dtype, grad in zip(ctx.weights, ctx.dtypes, grads):
-            if grad is None or type(w) is not ShardedWeight:
+        uses: Uses = ctx.uses
+        out: list[torch.Tensor | None] = [None]  # for `uses`
+        for i, (w, dtype, grad) in enumerate(zip(ctx.weights, ctx.dtypes, grads)):
+            if not _will_run(ctx, i + 1, edge=i):  # see [Note: needs_input_grad]
+                out.append(None)
+            elif type(w) is not ShardedWeight:
                 out.append(None if grad is None else grad.to(dtype))
-                continue
-            runtime.reduce_grad(w, grad)
-            out.append(None)
+            else:  # see [Note: unused weights of a block]
+                uses.runtime.reduce_grad(w, uses.zeros_like_use(w) if grad is None else grad)
+                out.append(None)
         return tuple(out)
 
 
@@ -258,8 +273,9 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torc
     return grad.t().to(dtype) @ x.to(dtype)
 
 
-def _will_run(ctx, index: int) -> bool:
-    """Whether this backward needs the gradient of input `index`.
+def _will_run(ctx, index: int, edge: int | None = None) -> bool:
+    """Whether this backward needs the gradient of input `index` (`edge`: its position among
+    the node's edges, which leave out the inputs before it that are not tensors).
 
     [Note: needs_input_grad] `ctx.needs_input_grad` is fixed at forward time, while autograd's
     own nodes compute only what the running backward asks for: `autograd.grad(loss, x)` or
@@ -270,7 +286,9 @@ def _will_run(ctx, index: int) -> bool:
     if not ctx.needs_input_grad[index]:
         return False
     try:
-        return torch._C._will_engine_execute_node(ctx.next_functions[index][0])
+        return torch._C._will_engine_execute_node(
+            ctx.next_functions[index if edge is None else edge][0]
+        )
     except RuntimeError:
         return True
 
