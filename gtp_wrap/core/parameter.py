@@ -219,6 +219,9 @@ def _runtime_of(args: tuple, kwargs: dict) -> Runtime | None:
     for a in args:
         if type(a) is GTPParameter:
             return a.gtp_weight.runtime
+    for a in kwargs.values():  # torch's functional wrappers pass weights by keyword
+        if type(a) is GTPParameter:
+            return a.gtp_weight.runtime
     found: list[Runtime] = []
 
     def visit(p: GTPParameter) -> GTPParameter:

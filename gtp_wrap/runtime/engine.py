@@ -205,7 +205,7 @@ class GTPEngine:
             self.replicated.hook_unfrozen()
         self.casts.refresh()
         state = self.passes.begin(PassKind.FORWARD if grad else PassKind.FORWARD_NO_GRAD, opener)
-        if grad:
+        if grad and not self.gatherer.local:  # a group of one saves its local weights as is
             hooks = torch.autograd.graph.saved_tensors_hooks(
                 self.gatherer.pack, self.gatherer.unpack
             )

@@ -50,6 +50,12 @@ _CONTAINERS = (list, tuple, dict)
 _LINEAR = F.linear  # what F.linear is, even where a profiler wraps this module's F
 
 
+def _holds_parameter(container: list | tuple | dict) -> bool:
+    """Whether a managed parameter is in `container` (a shape holds none), nested or not."""
+    items = container.values() if type(container) is dict else container
+    return any(type(x) is GTPParameter or type(x) in _CONTAINERS for x in items)
+
+
 class GradRuntime(Protocol):
     """What the backward of a use asks of its engine."""
 
@@ -107,10 +113,16 @@ class Uses:
                 full[id(p)] = self.full_weight(p)
             return full[id(p)]
 
-        if any(type(a) in _CONTAINERS for a in args) or kwargs:
-            args, kwargs = tree_map_only(GTPParameter, substitute, (args, kwargs))
-        else:  # the common case, F.linear(x, w, b): no tree walk
-            args = tuple(substitute(a) if type(a) is GTPParameter else a for a in args)
+        def swap(a: Any) -> Any:
+            if type(a) is GTPParameter:
+                return substitute(a)
+            if type(a) in _CONTAINERS and _holds_parameter(a):
+                return tree_map_only(GTPParameter, substitute, a)
+            return a  # a tensor, a number, a shape: no tree walk
+
+        args = tuple(swap(a) for a in args)
+        if kwargs:  # torch's functional wrappers pass weights by keyword (F.rms_norm)
+            kwargs = {k: swap(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
     def materialize(self, params: Sequence[GTPParameter]) -> list[torch.Tensor]:
