@@ -239,29 +239,14 @@ def _check_parity(name: str, ranks: list[dict] | None = None, mode: str = "compi
         assert compiled["stats"]["gathers"] > 0 or len(ranks) == 1  # one rank gathers nothing
 
 
-def test_compiled_gpt_equals_eager() -> None:
-    _check_parity("gpt")
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_equals_eager(name: str) -> None:
+    """The reference GPT, with gradient accumulation, with checkpointed blocks (whose recompute
+    in backward runs the same graph) and HF Llama: one graph for all blocks (one class),
+    compiled in step 1, no recompile after."""
+    _check_parity(name)
     for rank in _ranks():
-        # One graph for all blocks (one class), compiled in step 1; no recompile after.
-        assert rank["gpt"]["compiled"]["graphs"] == [1, 1, 1]
-
-
-def test_compiled_gradient_accumulation_equals_eager() -> None:
-    _check_parity("gpt_accumulate")
-    for rank in _ranks():
-        assert rank["gpt_accumulate"]["compiled"]["graphs"] == [1, 1, 1]
-
-
-def test_compiled_checkpointed_blocks_equal_eager() -> None:
-    _check_parity("checkpointed")
-    for rank in _ranks():  # the recompute in backward runs the same compiled graph
-        assert rank["checkpointed"]["compiled"]["graphs"] == [1, 1, 1]
-
-
-def test_compiled_hf_llama_equals_eager() -> None:
-    _check_parity("hf_llama")
-    for rank in _ranks():
-        assert rank["hf_llama"]["compiled"]["graphs"] == [1, 1, 1]
+        assert rank[name]["compiled"]["graphs"] == [1, 1, 1]
 
 
 def test_gather_per_block_equals_eager() -> None:

@@ -246,6 +246,11 @@ def _rule_matches(
         if rule_class is not None:
             if isinstance(mod, rule_class):
                 return True
-        elif any(c.__name__ == rule.match for c in type(mod).__mro__):
+        elif is_of_class_named(mod, rule.match):
             return True
     return False
+
+
+def is_of_class_named(module: nn.Module, name: str) -> bool:
+    """Whether `module` is an instance of a class called `name` (its own or a base class)."""
+    return any(c.__name__ == name for c in type(module).__mro__)

@@ -174,22 +174,17 @@ class GTPEngine:
         """Run `block` as `forward(block, ...)` (its class's forward, compiled or not) on its
         weights gathered once per call (see [Note: blocks on gathered weights]); the block
         becomes the owner of the weights inside it."""
-        for module in block.modules():  # the block, or a module inside it
-            if isinstance(module.__dict__.get("forward"), GatheredBlock):
-                self._refuse_gathered_twice(module)
-        for taken in self._gathered_blocks:  # a block around it
-            if any(m is block for m in taken.modules()):
-                self._refuse_gathered_twice(taken)
+        inside = {id(m) for m in block.modules()}
+        for taken in self._gathered_blocks:  # the block itself, one inside it or around it
+            if id(taken) in inside or any(m is block for m in taken.modules()):
+                raise WrapError(
+                    f"'{self.owners.name(taken)}' runs on gathered weights already "
+                    "(gtp_wrap.compile or gtp_wrap.gather_per_block was applied to it): apply "
+                    "one of them once, to the blocks alone"
+                )
         self.owners.take_block(block)
         block.forward = GatheredBlock(self.owners.name(block), block, forward, self.uses)
         self._gathered_blocks.append(block)
-
-    def _refuse_gathered_twice(self, module: nn.Module) -> None:
-        raise WrapError(
-            f"'{self.owners.name(module)}' runs on gathered weights already (gtp_wrap.compile or "
-            "gtp_wrap.gather_per_block was applied to it or to a module around it): apply one "
-            "of them once, to the blocks alone"
-        )
 
     # ---- the pass lifecycle -------------------------------------------------------------
 
