@@ -233,6 +233,10 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(trace_path))
+    # Host time by op over the two profiled steps: where the eager step's host time goes.
+    (args.out / f"ops_rank{rank}.txt").write_text(
+        prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
+    )
     if args.cprofile:
         host = cProfile.Profile()
         host.enable()

@@ -1,6 +1,6 @@
 """Gradient hooks and syncing: post-accumulate-grad hooks on shards see the reduced gradient;
 tensor hooks, which would see no gradient at all, are refused with the alternative named; a
-nested no_sync restores what it found."""
+nested no_sync restores what it found; optimizer steps run without interception."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 import gtp_wrap
 from gtp_wrap import GTPWrap, WrapError, full_state_dict
 from gtp_wrap.api import engine_of
+from gtp_wrap.core.parameter import _INTERCEPT, GTPParameter
 
 
 def _model(bias: bool = True) -> nn.Module:
@@ -110,3 +111,55 @@ def test_nested_no_sync_keeps_syncing_off_until_the_outermost_exits() -> None:
             pass
         assert engine.replicated.sync is False
     assert engine.replicated.sync is True
+
+
+class _ProbeSGD(torch.optim.SGD):
+    """SGD recording, per step, whether parameters were free of interception; it can fail
+    before stepping."""
+
+    def __init__(self, params, fail: bool = False) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(params, lr=0.1)
+        self.fail = fail
+        self.plain: list[bool] = []
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        self.plain.append(GTPParameter.__torch_function__ is torch._C._disabled_torch_function_impl)
+        if self.fail:
+            raise RuntimeError("the step failed")
+        return super().step(closure)
+
+
+def _steps_without_interception(rank: int, world: int) -> dict:
+    """Optimizer steps run with interception off and switch it back on; a step that raises
+    leaves it off only until the next pass opens, which is still exact."""
+    model, ref = GTPWrap(_model(), {"min_shard_numel": 0}), _model()
+    opt, ref_opt = _ProbeSGD(model.parameters()), torch.optim.SGD(ref.parameters(), lr=0.1)
+    intercepting_after: list[bool] = []
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        model(x[rank * 2 : rank * 2 + 2]).square().sum().backward()
+        ref(x).square().sum().div(world).backward()
+        opt.fail = i == 1  # the second step raises and steps nothing
+        try:
+            opt.step()
+        except RuntimeError:
+            ref_opt.zero_grad()
+        else:
+            ref_opt.step()
+        intercepting_after.append(GTPParameter.__dict__["__torch_function__"] is _INTERCEPT)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    got, full = full_state_dict(model), ref.state_dict()
+    return {
+        "plain": opt.plain,
+        "intercepting_after": intercepting_after,
+        "diff": max((got[k] - full[k]).abs().max().item() for k in full),
+    }
+
+
+def test_optimizer_steps_run_without_interception() -> None:
+    for got in run_ranks(_steps_without_interception, 2):
+        assert got["plain"] == [True, True, True]
+        # Off after the step that raised, back on once the next forward opened its pass.
+        assert got["intercepting_after"] == [True, False, True]
+        assert got["diff"] < 1e-6

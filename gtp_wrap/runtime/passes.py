@@ -68,11 +68,11 @@ class Passes:
         state = PassState(kind, self.scope, None, opener=opener)
         state.chain = self.chains.get(state.key)
         self.stack.append(state)
-        OpenPasses.count += 1
+        OpenPasses.open()
         return state
 
     def pop(self) -> PassState:
-        OpenPasses.count -= 1
+        OpenPasses.close()
         return self.stack.pop()
 
     def record(self, state: PassState) -> None:

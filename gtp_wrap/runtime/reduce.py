@@ -102,20 +102,21 @@ class GradReducer(Part):
         gradient as it is, rounded to the reduce dtype: it lands at once, with no collective
         and no staging copy."""
         param = w.param
-        rounded = grad.to(dtype).reshape(param.shape)
-        self.stats.bytes_reduced += rounded.numel() * rounded.element_size()
+        self.stats.bytes_reduced += grad.numel() * dtype.itemsize
         self.stats.reduce_scatters += 1  # as a group's is counted, though none is issued
         w.grad_collected()
         w.grad_landed()
-        if w.grad_state is GradState.LANDED:
-            self._landed[w] = None
-        if param.grad is not None:
-            param.grad.add_(rounded)
+        self._landed[w] = None  # nothing else of it pending: every gradient lands at once
+        current = param.grad
+        if current is not None:
+            current.add_(grad.to(dtype).reshape(current.shape))
             return
-        new = rounded.to(w.geometry.dtype, memory_format=torch.contiguous_format)
-        if new.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
-            new = new.clone()  # autograd's own tensor: someone else may hold it
-        param.grad = new
+        geo_dtype = w.geometry.dtype
+        if grad.dtype == dtype == geo_dtype:  # autograd's own tensor: someone else may hold it
+            new = grad.clone(memory_format=torch.contiguous_format)
+        else:
+            new = grad.to(dtype).to(geo_dtype, memory_format=torch.contiguous_format)
+        param.grad = new.view(param.shape)
 
     def _issue(self) -> None:
         """Reduce-scatter the collected gradients as one collective; finalize the previous

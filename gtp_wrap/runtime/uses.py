@@ -231,8 +231,9 @@ class BlockWeights(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
         uses: Uses = ctx.uses
         out: list[torch.Tensor | None] = [None]  # for `uses`
-        for i, (w, dtype, grad) in enumerate(zip(ctx.weights, ctx.dtypes, grads)):
-            if not _will_run(ctx, i + 1, edge=i):  # see [Note: needs_input_grad]
+        runs = _will_run_all(ctx, first=1)
+        for w, dtype, grad, run in zip(ctx.weights, ctx.dtypes, grads, runs):
+            if not run:
                 out.append(None)
             elif type(w) is not ShardedWeight:
                 out.append(None if grad is None else grad.to(dtype))
@@ -285,9 +286,8 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torc
     return grad.t().to(dtype) @ x.to(dtype)
 
 
-def _will_run(ctx, index: int, edge: int | None = None) -> bool:
-    """Whether this backward needs the gradient of input `index` (`edge`: its position among
-    the node's edges, which leave out the inputs before it that are not tensors).
+def _will_run(ctx, index: int) -> bool:
+    """Whether this backward needs the gradient of input `index`.
 
     [Note: needs_input_grad] `ctx.needs_input_grad` is fixed at forward time, while autograd's
     own nodes compute only what the running backward asks for: `autograd.grad(loss, x)` or
@@ -295,12 +295,21 @@ def _will_run(ctx, index: int, edge: int | None = None) -> bool:
     nodes it will run; asked about a node outside the graph it raises, and then the gradient
     is computed, as before.
     """
-    if not ctx.needs_input_grad[index]:
+    return ctx.needs_input_grad[index] and _runs(True, ctx.next_functions[index][0])
+
+
+def _will_run_all(ctx, first: int) -> list[bool]:
+    """`_will_run` for every input from `first` on, all tensors, reading the node's edges
+    once (they leave out the inputs before `first`, which are not tensors)."""
+    edges = ctx.next_functions
+    return [_runs(needed, node) for needed, (node, _) in zip(ctx.needs_input_grad[first:], edges)]
+
+
+def _runs(needed: bool, node: Any) -> bool:
+    if not needed:
         return False
     try:
-        return torch._C._will_engine_execute_node(
-            ctx.next_functions[index if edge is None else edge][0]
-        )
+        return torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return True
 
