@@ -56,16 +56,19 @@ def test_resume_is_exact(tmp_path: Path) -> None:
     assert _metrics(part)["history"]["loss"] == _metrics(whole)["history"]["loss"]
 
 
-def test_compiled_training_matches_eager(tmp_path: Path) -> None:
-    """trainer.compile=true: the same run with every block compiled gives eager's losses."""
+def test_compiled_and_per_block_training_match_eager(tmp_path: Path) -> None:
+    """trainer.compile=true and trainer.gather_per_block=true: the same run with every block
+    compiled, or run on its gathered weights, gives eager's losses."""
     common = ["trainer.steps=4", "trainer.warmup=2"]
-    eager = _train(*common, f"out_dir={tmp_path / 'eager'}")
-    assert eager.returncode == 0, eager.stderr[-3000:]
-    compiled = _train(*common, "trainer.compile=true", f"out_dir={tmp_path / 'compiled'}")
-    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    runs = {"eager": [], "compiled": ["trainer.compile=true"],
+            "per_block": ["trainer.gather_per_block=true"]}  # fmt: skip
+    for name, overrides in runs.items():
+        proc = _train(*common, *overrides, f"out_dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
     want = _metrics(tmp_path / "eager")["history"]["loss"]
-    got = _metrics(tmp_path / "compiled")["history"]["loss"]
-    assert len(got) == 4 and got == pytest.approx(want, rel=1e-5)
+    for name in ("compiled", "per_block"):
+        got = _metrics(tmp_path / name)["history"]["loss"]
+        assert len(got) == 4 and got == pytest.approx(want, rel=1e-5), name
 
 
 def _options(group: str) -> list[str]:
@@ -99,6 +102,7 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("trainer.accumulation=0", "trainer.accumulation=0: must be a whole number >= 1"),
         ("data.val_fraction=1.5", "data.val_fraction=1.5: must be between 0 and 1"),
         ("trainer.compile=yes", "trainer.compile='yes': must be true or false"),
+        ("trainer.gather_per_block=1", "trainer.gather_per_block=1: must be true or false"),
     ],
 )
 def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:

@@ -94,8 +94,14 @@ def _validate(cfg: dict, run_dir: str) -> None:
     for key in ("steps", "batch", "seq", "accumulation", "eval_batches"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be a whole number >= 1")
-    if not isinstance(t["compile"], bool):
-        raise LaunchError(f"trainer.compile={t['compile']!r}: must be true or false")
+    for key in ("compile", "gather_per_block"):
+        if not isinstance(t[key], bool):
+            raise LaunchError(f"trainer.{key}={t[key]!r}: must be true or false")
+    if t["compile"] and t["gather_per_block"]:
+        raise LaunchError(
+            "trainer.compile=true and trainer.gather_per_block=true: a compiled block already "
+            "runs on its gathered weights; set one of them"
+        )
     if not isinstance(t["log_every"], int) or t["log_every"] < 0:
         raise LaunchError(f"trainer.log_every={t['log_every']!r}: must be a whole number >= 0")
     if t["seq"] > cfg["model"]["max_seq"]:
@@ -180,6 +186,8 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     GTPWrap(model, policy, mesh=mesh)
     if t["compile"]:
         gtp_wrap.compile(model)  # each block compiled, GTP's gathers between them
+    elif t["gather_per_block"]:
+        gtp_wrap.gather_per_block(model)  # eager blocks on their gathered weights
     if rank == 0:
         log.info("what the policy did (gtp_wrap.describe):\n%s", gtp_wrap.describe(model))
     optim = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
