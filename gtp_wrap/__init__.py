@@ -33,6 +33,7 @@ from .graphs import graph_region, graph_step, release_graphs
 from .io import checkpoint
 from .io.pretrained import save_pretrained
 from .io.state_dict import full_state_dict, load_full_state_dict
+from .mesh import make_mesh
 
 # `gtp_wrap.checkpoint` is the documented name of io/checkpoint.py: importable under it too.
 sys.modules.setdefault(f"{__name__}.checkpoint", checkpoint)
@@ -62,6 +63,7 @@ __all__ = [
     "graph_region",
     "graph_step",
     "load_full_state_dict",
+    "make_mesh",
     "no_sync",
     "release_graphs",
     "reset_stats",

@@ -11,9 +11,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config.plan import plan_parameters
+from .config.plan import plan_parameters, plan_tensor_parallel
 from .config.policy import PolicySpec, resolve_policy
 from .core.parameter import GTPParameter
+from .core.tensor_parallel import apply_tp_plan, take_tp_layouts
 from .errors import WrapError
 from .io.state_dict import install_state_dict_hooks
 from .mesh import resolve_mesh
@@ -33,8 +34,11 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
         policy: a GTPPolicy, a mapping or OmegaConf config of its fields, a list of LayerRules
             (the rules of a default policy), a YAML file path, or None for the default (shard
             Linear, Embedding and MultiheadAttention weights of >= min_shard_numel elements).
-        mesh: a 1-D DeviceMesh or ProcessGroup (the GTP group), or a 2-D DeviceMesh with dims
-            ("dp", "gtp"). Default: the whole world is one GTP group.
+        mesh: a 1-D DeviceMesh or ProcessGroup (the GTP group), or a DeviceMesh with dims
+            named from ("dp", "gtp", "tp"), in that order, "gtp" among them
+            (`gtp_wrap.make_mesh` builds one). Default: the whole world is one GTP group.
+            Weights that torch's tensor parallelism made DTensors (parallelize_module on
+            mesh["tp"], before GTPWrap) are sharded over gtp from their tp-local tensors.
 
     After wrapping, the module keeps its class, methods and parameter names; outside
     forward/backward its sharded parameters hold this rank's rows. Every use inside a forward
@@ -46,8 +50,7 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             "unwrapped model once"
         )
     resolved = resolve_policy(policy)
-    plans = plan_parameters(module, resolved)
-    devices = {p.param.device for p in plans}
+    devices = {p.device for p in module.parameters()}
     if len(devices) > 1:
         raise WrapError(
             f"the parameters are on several devices {sorted(map(str, devices))}; move the "
@@ -59,7 +62,11 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             "the model is on the meta device; materialize it (e.g. model.to_empty(device=...) "
             "and initialize) before wrapping"
         )
-    engine = GTPEngine(module, plans, resolved, resolve_mesh(mesh, device), device)
+    gtp_mesh = resolve_mesh(mesh, device)
+    apply_tp_plan(module, plan_tensor_parallel(module, resolved), gtp_mesh)  # `tp` rules
+    layouts = take_tp_layouts(module, gtp_mesh)  # DTensors of tensor parallelism: local ones
+    plans = plan_parameters(module, resolved)
+    engine = GTPEngine(module, plans, resolved, gtp_mesh, device, layouts)
     install_state_dict_hooks(module, engine)
     attach(module, engine)
     return module

@@ -22,47 +22,51 @@ def clip_grad_norm_(
 
     The arguments are `torch.nn.utils.clip_grad_norm_`'s, with the module in place of its
     parameters. Sharded grads are disjoint across the GTP group and identical across dp, so
-    their part of the norm is reduced over the GTP group only; replicated grads are the same on
-    every rank and enter once.
+    their part of the norm is reduced over the GTP group only; a tensor-parallel weight's
+    (sharded by torch's TP) is disjoint across tp too, and reduced over it as well; replicated
+    grads are the same on every rank and enter once.
     """
     engine = engine_of(module)
+    mesh = engine.mesh
+    norm_type = float(norm_type)
+    inf = norm_type == float("inf")
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     with torch._C.DisableTorchFunctionSubclass():
-        params = [w.param for w in engine.weights]
-        sharded_ids = {id(p) for p in params}
-        sharded: list[torch.Tensor] = [p for p in params if p.grad is not None]
-        replicated: list[torch.Tensor] = [
-            p for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None
-        ]
-        device = engine.device
-        norm_type = float(norm_type)
-        zero = torch.zeros((), device=device)
-        local = (
-            torch.nn.utils.get_total_norm([_grad(p) for p in sharded], norm_type, foreach=foreach)
-            if sharded
-            else zero
-        )
-        rest = (
-            torch.nn.utils.get_total_norm(
-                [_grad(p) for p in replicated], norm_type, foreach=foreach
-            )
-            if replicated
-            else zero
-        )
-        local, rest = local.to(device, torch.float32), rest.to(device, torch.float32)
-        gtp = engine.mesh.gtp  # sharded grads are disjoint over it, identical over dp
-        if norm_type == float("inf"):
-            engine.comm.wait(engine.comm.all_reduce(local, gtp, _WHAT, dist.ReduceOp.MAX))
-            total = torch.maximum(local, rest)
-        else:
-            powered = local.pow(norm_type)
-            engine.comm.wait(engine.comm.all_reduce(powered, gtp, _WHAT, dist.ReduceOp.SUM))
-            total = (powered + rest.pow(norm_type)).pow(1.0 / norm_type)
+        sharded_ids = {id(w.param) for w in engine.weights}
+        split_by_tp = {id(w.param) for w in engine.weights if w.tp is not None and w.tp.sharded}
+        split_by_tp |= {
+            id(c.param) for c in engine.casts.cast_weights if c.tp is not None and c.tp.sharded
+        }
+        with_grad = [p for p in module.parameters() if p.grad is not None]
+        # By where their grads differ: over gtp and tp, over gtp, over tp, nowhere.
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
+        for p in with_grad:
+            parts[(id(p) not in sharded_ids) * 2 + (id(p) not in split_by_tp)].append(p)
+
+        def powered(params: list[torch.Tensor]) -> torch.Tensor:
+            if not params:
+                return torch.zeros((), device=engine.device)
+            norm = torch.nn.utils.get_total_norm([_grad(p) for p in params], norm_type,
+                                                 foreach=foreach)  # fmt: skip
+            norm = norm.to(engine.device, torch.float32)
+            return norm if inf else norm.pow(norm_type)
+
+        def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.maximum(a, b) if inf else a + b
+
+        over_gtp = torch.stack([powered(parts[0]), powered(parts[1])])
+        engine.comm.wait(engine.comm.all_reduce(over_gtp, mesh.gtp, _WHAT, op))
+        over_tp = combine(over_gtp[0], powered(parts[2]))
+        engine.comm.wait(engine.comm.all_reduce(over_tp, mesh.tp, _WHAT, op))
+        total = combine(combine(over_tp, over_gtp[1]), powered(parts[3]))
+        if not inf:
+            total = total.pow(1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):  # every rank sees the same total
             raise RuntimeError(
                 f"the total norm of order {norm_type} of the gradients is non-finite, so it "
                 "cannot be clipped; set error_if_nonfinite=False to clip anyway"
             )
-        torch.nn.utils.clip_grads_with_norm_(sharded + replicated, max_norm, total, foreach)
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach)
     return total
 
 

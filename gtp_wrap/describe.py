@@ -21,17 +21,20 @@ class ParameterRow:
 
     Attributes:
         fqn: its first name; `aliases` are its other names (tied weights).
-        shape: its logical (full, unpadded) shape.
+        shape: its logical (full, unpadded) shape, over every tp rank too.
         shard_dim: the dim it is sharded along, or None when replicated.
         rule: the `match` of the rule that decided it, or None when no rule matched.
         reason: the decision in words ("rule 'Linear'", "below min_shard_numel (...)", ...).
         dtype: the dtype this rank stores it in (the master's); compute_dtype: the one its uses
             compute in.
         group: the mesh role its collectives run over: "gtp" for a sharded weight (gathered,
-            its gradient reduce-scattered, then averaged over dp), "world" for a replicated one
-            (its gradient all-reduced over every data rank); group_size: that role's ranks.
+            its gradient reduce-scattered, then averaged over dp), "world" (or "data" beside
+            tensor parallelism) for a replicated one (its gradient all-reduced over every data
+            rank); group_size: that role's ranks.
         bytes_per_rank: what this rank stores of it: its local rows (padding excluded) when
-            sharded, the whole parameter when replicated.
+            sharded, the whole parameter (its tp block) when replicated.
+        tp: its placement over the mesh's tp dim ("Shard(0)", "Replicate()") when torch's
+            tensor parallelism split it (GTP shards or replicates its tp block), else None.
     """
 
     fqn: str
@@ -45,6 +48,7 @@ class ParameterRow:
     group_size: int
     bytes_per_rank: int
     aliases: tuple[str, ...]
+    tp: str | None = None
 
     @property
     def sharded(self) -> bool:
@@ -58,6 +62,7 @@ class Description:
     rows: tuple[ParameterRow, ...]
     gtp_size: int
     dp_size: int
+    tp_size: int = 1
 
     @property
     def sharded_bytes(self) -> int:
@@ -75,7 +80,8 @@ class Description:
             (
                 r.fqn + "".join(f" = {a}" for a in r.aliases),
                 "x".join(map(str, r.shape)) or "scalar",
-                f"shard({r.shard_dim})" if r.sharded else "replicate",
+                (f"shard({r.shard_dim})" if r.sharded else "replicate")
+                + (f", tp {r.tp}" if r.tp else ""),
                 r.compute_dtype,
                 f"{r.group}={r.group_size}",
                 f"{r.bytes_per_rank:,}",
@@ -96,7 +102,7 @@ class Description:
         rule = "-" * (sum(widths) + 2 * len(widths) + len(header[-1]))
         sharded = sum(r.sharded for r in self.rows)
         footer = (
-            f"gtp={self.gtp_size} dp={self.dp_size}; per rank: sharded {sharded} "
+            f"gtp={self.gtp_size} dp={self.dp_size} tp={self.tp_size}; per rank: sharded {sharded} "
             f"({self.sharded_bytes:,} bytes), replicated {len(self.rows) - sharded} "
             f"({self.replicated_bytes:,} bytes)"
         )
@@ -120,7 +126,7 @@ def describe(model: nn.Module) -> Description:
             local = w.param
             row = ParameterRow(
                 fqn=fqn,
-                shape=tuple(w.geometry.shape),
+                shape=tuple(w.geometry.shape if w.tp is None else w.tp.shape),
                 shard_dim=w.geometry.dim,
                 rule=rule,
                 reason=decision.reason,
@@ -130,26 +136,30 @@ def describe(model: nn.Module) -> Description:
                 group_size=w.axis.size,
                 bytes_per_rank=local.numel() * local.element_size(),
                 aliases=aliases,
+                tp=None if w.tp is None else str(w.tp.placement),
             )
         else:
             param = model.get_parameter(fqn)
             cast = getattr(param, "gtp_weight", None)
             compute = cast.cast.dtype if isinstance(cast, CastWeight) else param.dtype
+            tp = cast.tp if isinstance(cast, CastWeight) else None
             row = ParameterRow(
                 fqn=fqn,
-                shape=tuple(param.shape),
+                shape=tuple(param.shape if tp is None else tp.shape),
                 shard_dim=None,
                 rule=rule,
                 reason=decision.reason,
                 dtype=_name(param.dtype),
                 compute_dtype=_name(compute),
-                group=engine.mesh.world.name,
-                group_size=engine.mesh.world.size,
+                group=engine.mesh.data.name,
+                group_size=engine.mesh.data.size,
                 bytes_per_rank=param.numel() * param.element_size(),
                 aliases=aliases,
+                tp=None if tp is None else str(tp.placement),
             )
         rows.append(row)
-    return Description(tuple(rows), engine.mesh.gtp.size, engine.mesh.dp.size)
+    mesh = engine.mesh
+    return Description(tuple(rows), mesh.gtp.size, mesh.dp.size, mesh.tp.size)
 
 
 def _name(dtype: object) -> str:

@@ -1,28 +1,33 @@
 """Named mesh roles: which process group each kind of collective of an engine runs over.
 
-A `DeviceMesh` given to GTPWrap has its dims named from `MESH_DIMS` (any subset holding "gtp").
-Each role is a `MeshAxis`: sharded weights are gathered and their gradients reduce-scattered
-over `gtp`, those gradients are then averaged over `dp` (the replicate axis), and replicated
-parameters are all-reduced over `world`, every data rank. Every rank of the world is a data
-rank, so gradients are averaged over dp x gtp. This is the one place that knows the dims'
-names; the engine and the state dicts ask it for groups and DTensor placements.
+A `DeviceMesh` given to GTPWrap has its dims named from `MESH_DIMS` ("dp", "gtp", "tp"; any
+subset holding "gtp", in that order, so tensor parallelism stays innermost, on the fastest
+links). Each role is a `MeshAxis`: sharded weights are gathered and their gradients
+reduce-scattered over `gtp`, those gradients are then averaged over `dp` (the replicate axis),
+and replicated parameters are all-reduced over `data`, the dp x gtp ranks that each read a
+batch of their own. The ranks of one `tp` group read the same batch and split the layers'
+compute, as torch's tensor parallelism does (core/tensor_parallel.py). This is the one place
+that knows the dims' names; the engine and the state dicts ask it for groups and DTensor
+placements.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import WrapError
 
-DP, GTP = "dp", "gtp"
-MESH_DIMS = (DP, GTP)  # outermost first
+DP, GTP, TP = "dp", "gtp", "tp"
+MESH_DIMS = (DP, GTP, TP)  # outermost first
+DP_GTP = (DP, GTP)  # the 2-D mesh of data parallelism over GTP groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +48,58 @@ class GTPMesh:
     device_mesh: DeviceMesh | None
     gtp: MeshAxis  # weights are sharded over it
     dp: MeshAxis  # weights are replicated over it: their gradients are all-reduced after
-    world: MeshAxis  # every data rank: replicated parameters' gradients
+    tp: MeshAxis  # torch's tensor parallelism: the layers' compute is split over it
+    data: MeshAxis  # every rank reading a batch of its own: replicated parameters' gradients
+    world: MeshAxis  # every rank
+    tp_mesh: DeviceMesh | None = None  # the "tp" dim, where tensor-parallel DTensors live
 
     @property
     def world_size(self) -> int:
         return self.world.size
 
-    def placements(self, dim: int) -> list[Placement]:
-        """DTensor placements of a weight sharded along `dim`: one per mesh dim."""
+    def placements(self, dim: int, tp: Placement | None = None) -> list[Placement]:
+        """DTensor placements of a weight sharded along `dim` over gtp, one per mesh dim; `tp`:
+        the weight's placement over the tp dim, whose local tensor GTP shards. Where both
+        split the same dim, each tp block is split over gtp: a strided shard."""
         assert self.device_mesh is not None  # only distributed engines make DTensors
         if self.device_mesh.ndim == 1:  # the GTP group itself, whatever its dim is named
             return [Shard(dim)]
-        names = self.device_mesh.mesh_dim_names or ()
-        return [Shard(dim) if name == GTP else Replicate() for name in names]
+        over_gtp: Placement = Shard(dim)
+        if isinstance(tp, Shard) and tp.dim == dim:
+            over_gtp = _StridedShard(dim, split_factor=self.tp.size)
+        by_name = {DP: Replicate(), GTP: over_gtp, TP: tp or Replicate()}
+        return [by_name[name] for name in self.device_mesh.mesh_dim_names or ()]
+
+
+def make_mesh(
+    dp: int = 1, gtp: int = -1, tp: int = 1, device_type: str | None = None
+) -> DeviceMesh:
+    """A DeviceMesh over the whole world for GTPWrap, with dims ("dp", "gtp", "tp") as given:
+    each size a whole number, or -1 (one of them at most) for what the others leave of the
+    world. Dims of size 1 other than "gtp" are left out. `device_type`: "cuda" where a GPU is
+    present, else "cpu", by default."""
+    if not dist.is_initialized():
+        raise WrapError("make_mesh needs torch.distributed: call dist.init_process_group() first")
+    world = dist.get_world_size()
+    sizes = {DP: dp, GTP: gtp, TP: tp}
+    rest = [name for name, size in sizes.items() if size == -1]
+    if len(rest) > 1 or any(size < 1 and size != -1 for size in sizes.values()):
+        raise WrapError(
+            f"make_mesh(dp={dp}, gtp={gtp}, tp={tp}): give each size as a whole number >= 1, "
+            "or -1 for one of them (what the others leave of the world)"
+        )
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if rest:
+        sizes[rest[0]] = world // known if world % known == 0 else 0
+    if math.prod(sizes.values()) != world:
+        raise WrapError(
+            f"make_mesh(dp={dp}, gtp={gtp}, tp={tp}) does not fill the world of {world} ranks: "
+            "dp x gtp x tp must equal the world size"
+        )
+    names = tuple(name for name in MESH_DIMS if name == GTP or sizes[name] > 1)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
 
 
 def _axis(mesh: DeviceMesh, name: str) -> MeshAxis:
@@ -82,7 +126,8 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None, device: torch.devi
                 "torch.distributed is not initialized; call dist.init_process_group() before "
                 "GTPWrap"
             )
-        return GTPMesh(None, _single(GTP), _single(DP), _single("world"))
+        alone = _single("world")
+        return GTPMesh(None, _single(GTP), _single(DP), _single(TP), alone, alone)
 
     world = dist.get_world_size()
     if mesh is None:
@@ -94,7 +139,7 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None, device: torch.devi
     if mesh.size() != world:
         raise WrapError(
             f"the mesh spans {mesh.size()} ranks but the world has {world}; GTP treats every "
-            f"rank as a data rank, so give a mesh over the whole world (e.g. 2-D {MESH_DIMS})"
+            f"rank as a data rank, so give a mesh over the whole world (dims from {MESH_DIMS})"
         )
     if mesh.device_type != device.type:
         raise WrapError(
@@ -102,12 +147,27 @@ def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None, device: torch.devi
             "move the model to the mesh's device before wrapping"
         )
     everyone = MeshAxis("world", None, dist.get_rank(), world)
+    names = tuple(mesh.mesh_dim_names or ())
     if mesh.ndim == 1:
         gtp = MeshAxis(GTP, mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0))
-        return GTPMesh(mesh, gtp, _single(DP), everyone)
-    if mesh.ndim == 2 and mesh.mesh_dim_names == MESH_DIMS:
-        return GTPMesh(mesh, _axis(mesh, GTP), _axis(mesh, DP), everyone)
-    raise WrapError(
-        f"a mesh of {mesh.ndim} dims named {mesh.mesh_dim_names} is not supported; use a 1-D "
-        f"mesh or a 2-D mesh with mesh_dim_names={MESH_DIMS}"
-    )
+        return GTPMesh(mesh, gtp, _single(DP), _single(TP), everyone, everyone)
+    if GTP not in names or list(names) != [n for n in MESH_DIMS if n in names]:
+        raise WrapError(
+            f"a mesh of {mesh.ndim} dims named {mesh.mesh_dim_names} is not supported: name "
+            f"its dims from {MESH_DIMS}, in that order (tp innermost), including 'gtp'; "
+            "gtp_wrap.make_mesh(dp=..., gtp=..., tp=...) builds one"
+        )
+    gtp, dp, tp = _axis(mesh, GTP), _single(DP), _single(TP)
+    if DP in names:
+        dp = _axis(mesh, DP)
+    if TP not in names:
+        return GTPMesh(mesh, gtp, dp, tp, everyone, everyone)
+    tp, tp_mesh = _axis(mesh, TP), mesh[TP]
+    if tp.size == 1:
+        return GTPMesh(mesh, gtp, dp, tp, everyone, everyone, tp_mesh)
+    if DP not in names or dp.size == 1:
+        data = dataclasses.replace(gtp, name="data")
+    else:  # the dp x gtp ranks of this rank's tp coordinate, as one group
+        flat = mesh[DP, GTP]._flatten("dp_gtp")
+        data = MeshAxis("data", flat.get_group(0), flat.get_local_rank(0), flat.size(0))
+    return GTPMesh(mesh, gtp, dp, tp, data, everyone, tp_mesh)

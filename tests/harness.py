@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gtp_wrap.core.weight import ShardedWeight
 from gtp_wrap.graphs import release_graphs
-from gtp_wrap.mesh import MESH_DIMS
+from gtp_wrap.mesh import DP_GTP
 
 
 def _entry(
@@ -102,7 +102,7 @@ def caught(fn: Callable[[], Any]) -> str:
 
 def mesh_2d(dp: int, gtp: int, device_type: str = "cpu") -> DeviceMesh:
     """A ("dp", "gtp") mesh over the whole world."""
-    return init_device_mesh(device_type, (dp, gtp), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, (dp, gtp), mesh_dim_names=DP_GTP)
 
 
 def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

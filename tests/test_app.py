@@ -71,6 +71,21 @@ def test_compiled_and_per_block_training_match_eager(tmp_path: Path) -> None:
         assert len(got) == 4 and got == pytest.approx(want, rel=1e-5), name
 
 
+def test_tensor_parallel_training_matches_gtp_alone(tmp_path: Path) -> None:
+    """mesh=[1,1,2] policy=tp (tensor and sequence parallelism in the blocks, GTP over it; two
+    ranks, as many as CI's cores allow) takes the steps that one rank alone takes: its two
+    ranks are one data rank. The 4- and 8-rank meshes are tests/test_tensor_parallel.py's."""
+    common = ["trainer.steps=4", "trainer.warmup=2"]
+    alone = _train(*common, "nproc=1", f"out_dir={tmp_path / 'alone'}")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    tp = _train(*common, "nproc=2", "mesh=[1,1,2]", "policy=tp", f"out_dir={tmp_path / 'tp'}")
+    assert tp.returncode == 0, tp.stderr[-3000:]
+    assert "tp S(0)" in (tmp_path / "tp" / "train.log").read_text()  # describe's table
+    want = _metrics(tmp_path / "alone")["history"]["loss"]
+    got = _metrics(tmp_path / "tp")["history"]["loss"]
+    assert len(got) == 4 and got == pytest.approx(want, rel=1e-4)
+
+
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
 
@@ -103,6 +118,8 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("data.val_fraction=1.5", "data.val_fraction=1.5: must be between 0 and 1"),
         ("trainer.compile=yes", "trainer.compile='yes': must be true or false"),
         ("trainer.gather_per_block=1", "trainer.gather_per_block=1: must be true or false"),
+        ("mesh=[1,1,3]", "tp=3 does not divide model.heads=4"),
+        ("mesh=[1,1,1,2]", "give two sizes, [dp, gtp], or three, [dp, gtp, tp]"),
     ],
 )
 def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:

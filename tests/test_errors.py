@@ -163,7 +163,8 @@ def test_bad_inputs_across_ranks() -> None:
     results = run_ranks(_bad_inputs, 2, timeout=120)
     for out in results:
         assert out["mesh_size"].startswith("WrapError"), out["mesh_size"]
-        assert "mesh_dim_names=('dp', 'gtp')" in out["mesh_names"], out["mesh_names"]
+        assert "dims named ('gtp', 'dp') is not supported" in out["mesh_names"], out["mesh_names"]
+        assert "in that order (tp innermost)" in out["mesh_names"]
         assert out["models_differ"].startswith("WrapError: ranks disagree on parameter #0")
         assert out["policies_differ"].startswith("WrapError: ranks wrapped with different pol")
         assert "GTPPolicy.group_numel=" in out["policies_differ"]

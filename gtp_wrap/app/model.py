@@ -43,12 +43,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.heads = cfg.heads
+        self.head_dim = cfg.d // cfg.heads
+        # Each head's q, k and v rows together, so that splitting the rows by whole heads
+        # (tensor parallelism's ColwiseParallel) gives each rank whole heads.
         self.qkv = nn.Linear(cfg.d, 3 * cfg.d, bias=False)
         self.o = nn.Linear(cfg.d, cfg.d, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        qkv = rearrange(self.qkv(x), "b t (three h e) -> three b h t e", three=3, h=self.heads)
+        qkv = rearrange(self.qkv(x), "b t (h three e) -> three b h t e", three=3, e=self.head_dim)
         q, k, v = qkv.unbind(0)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

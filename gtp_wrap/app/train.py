@@ -35,7 +35,7 @@ import gtp_wrap
 from gtp_wrap import GTPPolicy, GTPWrap
 from gtp_wrap.config.policy import resolve_policy
 from gtp_wrap.errors import PolicyError
-from gtp_wrap.mesh import MESH_DIMS
+from gtp_wrap.mesh import DP_GTP, MESH_DIMS
 
 from ..io import checkpoint
 from . import report
@@ -112,8 +112,14 @@ def _validate(cfg: dict, run_dir: str) -> None:
         )
     # The splits and the token ids against the vocab, as every rank will check them.
     TokenStream(DataConfig(**cfg["data"]), t["seq"], cfg["model"]["vocab"], cfg["seed"])
-    if cfg["mesh"] is not None and len(cfg["mesh"]) != 2:
-        raise LaunchError(f"mesh={cfg['mesh']}: give two sizes, [dp, gtp]")
+    if cfg["mesh"] is not None and len(cfg["mesh"]) not in (2, 3):
+        raise LaunchError(f"mesh={cfg['mesh']}: give two sizes, [dp, gtp], or three, [dp, gtp, tp]")
+    tp = _tp_size(cfg["mesh"])
+    if cfg["model"]["heads"] % tp:
+        raise LaunchError(
+            f"mesh={cfg['mesh']}: tp={tp} does not divide model.heads={cfg['model']['heads']}; "
+            "tensor parallelism gives each tp rank whole attention heads"
+        )
     if not under_torchrun():
         check_local_devices(cfg["nproc"], cpu=cfg["device"] == "cpu")
         world = cfg["nproc"]
@@ -136,6 +142,11 @@ def _lr_lambda(t: dict):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return factor
+
+
+def _tp_size(mesh: Any) -> int:
+    """The tp size of a `mesh` setting ([dp, gtp] or [dp, gtp, tp]; null: no tp)."""
+    return int(mesh[2]) if mesh is not None and len(mesh) == 3 else 1
 
 
 def _mean(value: torch.Tensor) -> float:
@@ -181,7 +192,10 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     model = GPT(model_cfg).to(device)
     mesh = None
     if cfg["mesh"] is not None:
-        mesh = init_device_mesh(device.type, tuple(cfg["mesh"]), mesh_dim_names=MESH_DIMS)
+        names = DP_GTP if len(cfg["mesh"]) == 2 else MESH_DIMS
+        mesh = init_device_mesh(device.type, tuple(cfg["mesh"]), mesh_dim_names=names)
+    # The ranks of one tp group (innermost, consecutive) read the same batch.
+    data_rank = rank // _tp_size(cfg["mesh"])
     policy: GTPPolicy = resolve_policy(cfg["policy"])
     GTPWrap(model, policy, mesh=mesh)
     if t["compile"]:
@@ -214,19 +228,20 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         total = torch.zeros((), device=device)
         with torch.no_grad():
             for i in range(t["eval_batches"]):
-                x, y = (z.to(device) for z in data.batch("val", 0, rank, i, t["batch"]))
+                x, y = (z.to(device) for z in data.batch("val", 0, data_rank, i, t["batch"]))
                 total += F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         model.train()
         return _mean(total / t["eval_batches"])
 
     stop = t["steps"] if t["stop_at"] is None else min(t["stop_at"], t["steps"])
-    tokens_per_step = world * t["batch"] * t["seq"] * t["accumulation"]
+    tokens_per_step = world // _tp_size(cfg["mesh"]) * t["batch"] * t["seq"] * t["accumulation"]
     with _progress_bar(rank == 0 and sys.stderr.isatty(), stop, start) as bar:
         for step in range(start, stop):
             began = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for micro in range(t["accumulation"]):
-                x, y = (z.to(device) for z in data.batch("train", step, rank, micro, t["batch"]))
+                x, y = data.batch("train", step, data_rank, micro, t["batch"])
+                x, y = x.to(device), y.to(device)
                 last = micro == t["accumulation"] - 1
                 with contextlib.nullcontext() if last else gtp_wrap.no_sync(model):
                     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / t["accumulation"]

@@ -68,7 +68,7 @@ class Comm:
         self.mesh = mesh
         self.watch = watch
         # Each role's process group as the watch numbers its collectives.
-        axes = (mesh.gtp, mesh.dp, mesh.world)
+        axes = (mesh.gtp, mesh.dp, mesh.tp, mesh.data, mesh.world)
         self._where = {a.name: group_key(a.group) for a in axes if a.size > 1}
         self.gtp = mesh.gtp
         self.gather_copies: CopyEngineCollectives | None = None
@@ -211,12 +211,14 @@ class Comm:
         work = dist.all_reduce(t, op=op, group=axis.group, async_op=True)
         return self._issued(axis, (work,), what)[0]
 
-    def broadcast(self, t: torch.Tensor, what: str) -> Pending:
-        """Rank 0's `t` on every rank."""
-        if self.mesh.world_size == 1:
+    def broadcast(self, t: torch.Tensor, what: str, axis: MeshAxis | None = None) -> Pending:
+        """The `t` of the first rank of `axis` (default: the world) on every rank of it."""
+        axis = axis or self.mesh.world
+        if axis.size == 1:
             return Pending((), what)
-        work = dist.broadcast(t, src=0, async_op=True)
-        return self._issued(self.mesh.world, (work,), what)[0]
+        src = 0 if axis.group is None else dist.get_global_rank(axis.group, 0)
+        work = dist.broadcast(t, src=src, group=axis.group, async_op=True)
+        return self._issued(axis, (work,), what)[0]
 
     def wait(self, pending: Pending, consume: bool = True) -> None:
         """Make the current stream (on gloo, the host) wait for `pending`; `consume`: for its

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ..errors import PolicyError, PolicyWarning
-from .policy import DEFAULT_RULES, GTPPolicy, LayerRule
+from .policy import DEFAULT_RULES, GTPPolicy, LayerRule, TPStyle
 
 # A parameter's owners: (its FQN through that owner, the owning module, its name there).
 _Entries = list[tuple[str, nn.Module, str]]
@@ -101,6 +101,8 @@ def plan_parameters(module: nn.Module, policy: GTPPolicy) -> list[ParameterPlan]
             )
         )
     for rule, hit in zip(policy.rules, used):
+        if rule.tp is not None:  # matched against modules (plan_tensor_parallel)
+            continue
         if not hit and (rule.strict or (policy.strict and rule not in DEFAULT_RULES)):
             why = "strict rule" if rule.strict else "rule"
             raise PolicyError(
@@ -191,7 +193,7 @@ def _check_something_sharded(
     `rules: []`) means it."""
     if not plans or any(p.shard_dim is not None for p in plans):
         return
-    if not any(rule.action == "shard" for rule in policy.rules):
+    if not any(rule.action == "shard" and rule.tp is None for rule in policy.rules):
         return
     candidates = [p for p in plans if p.rule is not None and p.rule.action == "shard"]
     if candidates:
@@ -235,6 +237,8 @@ def _rule_matches(
     param: torch.Tensor,
     entries: _Entries,
 ) -> bool:
+    if rule.tp is not None:  # a tensor-parallel style for modules, no sharding decision
+        return False
     if rule.is_fqn_glob:
         return any(fnmatch.fnmatchcase(fqn, rule.match) for fqn, _, _ in entries)
     if param.dim() < 2 and rule.action == "shard":
@@ -249,6 +253,39 @@ def _rule_matches(
         elif is_of_class_named(mod, rule.match):
             return True
     return False
+
+
+def plan_tensor_parallel(module: nn.Module, policy: GTPPolicy) -> dict[str, TPStyle]:
+    """The tensor-parallel style of each module the policy's `tp` rules match, by module FQN
+    (the first matching rule decides, as for parameters). A `tp` rule that matches no module
+    is a PolicyError: a plan naming a module that does not exist would leave it unsplit."""
+    plan: dict[str, TPStyle] = {}
+    for rule in policy.rules:
+        if rule.tp is None:
+            continue
+        rule_class = rule.resolve_class()
+        hits = [
+            fqn
+            for fqn, mod in module.named_modules()
+            if fqn and _module_matches(rule, rule_class, fqn, mod)
+        ]
+        if not hits:
+            raise PolicyError(
+                f"tensor-parallel rule {rule.match!r} (tp: {rule.tp}) matched no module of "
+                f"{type(module).__name__}{_close_matches(rule, module)}; a tp rule matches a "
+                "module FQN, a glob over module FQNs, or a class name"
+            )
+        for fqn in hits:
+            plan.setdefault(fqn, rule.tp)
+    return plan
+
+
+def _module_matches(rule: LayerRule, rule_class: type | None, fqn: str, mod: nn.Module) -> bool:
+    if rule.is_fqn_glob:
+        return fnmatch.fnmatchcase(fqn, rule.match)
+    if fqn == rule.match:
+        return True
+    return isinstance(mod, rule_class) if rule_class else is_of_class_named(mod, rule.match)
 
 
 def is_of_class_named(module: nn.Module, name: str) -> bool:

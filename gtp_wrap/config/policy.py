@@ -19,6 +19,8 @@ from ..errors import PolicyError
 
 Action = Literal["shard", "replicate"]
 _ACTIONS = get_args(Action)
+TPStyle = Literal["colwise", "rowwise", "sequence", "split_sequence", "gather_sequence"]
+_TP_STYLES = get_args(TPStyle)
 Collectives = Literal["process_group", "copy_engine"]
 _COLLECTIVES = get_args(Collectives)
 _GLOB_CHARS = frozenset("*?[")
@@ -44,12 +46,25 @@ class LayerRule:
     biases); an FQN rule applies to every parameter it names. A rule that matches nothing
     warns (`PolicyWarning`, with close matches among the model's class names and FQNs); with
     `strict=True` it is a PolicyError instead.
+
+    A rule with `tp` gives the modules it matches (a class name, a module FQN, or a glob over
+    module FQNs) a style of torch's tensor parallelism over the mesh's "tp" dim, applied before
+    GTP shards anything; it decides no GTP sharding (the rules without `tp` do). Styles:
+    "colwise" (ColwiseParallel: a Linear's output features, an Embedding's dim), "rowwise"
+    (RowwiseParallel: a Linear's input features, an Embedding's vocabulary), "sequence"
+    (SequenceParallel: a norm on activations split over the sequence). With any "sequence"
+    rule, activations between blocks stay split over the sequence (dim 1): colwise layers
+    gather their input and rowwise ones reduce-scatter their output, and "split_sequence"
+    (on the module whose output enters the split stream, e.g. the embedding) and
+    "gather_sequence" (on the module that takes it whole again, e.g. the output head) mark its
+    ends. A rule matching no module is a PolicyError.
     """
 
     match: str
     action: Action = "shard"
     dim: int = 0
     strict: bool = False
+    tp: TPStyle | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.match, str) or not self.match:
@@ -62,6 +77,16 @@ class LayerRule:
         if not isinstance(self.dim, int) or self.dim < 0:
             raise PolicyError(
                 f"LayerRule(match={self.match!r}) has dim={self.dim!r}; use a dim >= 0"
+            )
+        if self.tp is not None and self.tp not in _TP_STYLES:
+            raise PolicyError(
+                f"LayerRule(match={self.match!r}) has tp={self.tp!r}; use one of {_TP_STYLES}"
+            )
+        if self.tp is not None and (self.action, self.dim) != ("shard", 0):
+            raise PolicyError(
+                f"LayerRule(match={self.match!r}, tp={self.tp!r}) also sets action or dim: a "
+                "rule with tp only gives modules a tensor-parallel style; decide GTP's sharding "
+                "of their weights with a rule without tp"
             )
 
     @property
@@ -237,7 +262,8 @@ def _coerce_rule(rule: Any) -> LayerRule:
         unknown = set(rule) - {f.name for f in dataclasses.fields(LayerRule)}
         if unknown:
             raise PolicyError(
-                f"unknown LayerRule field(s) {sorted(unknown)}; valid: match, action, dim, strict"
+                f"unknown LayerRule field(s) {sorted(unknown)}; valid: match, action, dim, strict, "
+                "tp"
             )
         return LayerRule(**dict(rule))
     raise PolicyError(f"a rule must be a LayerRule or a mapping, got {type(rule).__name__}")

@@ -31,6 +31,7 @@ from ..precision import fp8
 from ..precision.encoding import FP8Packing, Precision, make_encodings
 from .parameter import make_gtp_parameter, register_with_optimizers
 from .storage import FlatStorage
+from .tensor_parallel import TPLayout
 from .weight import CastWeight, Runtime, ShardedWeight
 
 # Policy fields that decide which collectives a step issues, in what order and on what dtypes:
@@ -89,13 +90,21 @@ class Built:
     decisions: tuple[Decision, ...]  # why each parameter is sharded or replicated, plan order
 
 
-def check_ranks_agree(plans: list[ParameterPlan], policy: GTPPolicy, agreement: Agreement) -> None:
+def check_ranks_agree(
+    plans: list[ParameterPlan],
+    policy: GTPPolicy,
+    agreement: Agreement,
+    layouts: dict[int, TPLayout],
+) -> None:
     """Every rank must plan the same parameters the same way, with the same policy, checked
-    before any collective."""
+    before any collective (a tensor-parallel weight by its global shape: tp ranks' local
+    blocks may differ by a row)."""
     fields = [f"{name}={getattr(policy, name)!r}" for name in AGREED_FIELDS]
+    shapes = [layouts[id(p.param)].shape if id(p.param) in layouts else p.param.shape
+              for p in plans]  # fmt: skip
     sigs = [stable_hash(field) for field in fields] + [
-        stable_hash(f"{p.fqns[0]}|{tuple(p.param.shape)}|{p.param.dtype}|{p.shard_dim}")
-        for p in plans
+        stable_hash(f"{p.fqns[0]}|{tuple(shape)}|{p.param.dtype}|{p.shard_dim}")
+        for p, shape in zip(plans, shapes)
     ]
     diff = first_difference(
         agreement.exchange(
@@ -132,8 +141,10 @@ def build(
     comm: Comm,
     runtime: Runtime,
     device: torch.device,
+    layouts: dict[int, TPLayout],
 ) -> Built:
-    """Shard the planned weights of `root` in place (see the module docstring)."""
+    """Shard the planned weights of `root` in place (see the module docstring); `layouts`:
+    the tensor-parallel layouts of parameters that were DTensors (core/tensor_parallel.py)."""
     sharded = [p for p in plans if p.shard_dim is not None]
     geometries, numels = lay_out(
         [(p.param.shape, p.shard_dim, p.param.dtype) for p in sharded],  # type: ignore[misc]
@@ -150,8 +161,11 @@ def build(
     encodings, packing = make_encodings(
         precision, geometries, [w.fqn for w in weights], storage.compute, storage.params, device
     )
-    _sync_from_rank0(root, plans, comm)
+    _sync_from_rank0(root, plans, comm, layouts, mesh)
     for plan, w, encoding in zip(sharded, weights, encodings):
+        w.tp = layouts.get(id(plan.param))
+        if w.tp is not None:  # a pass's metadata queries answer as the DTensor would
+            w.meta = torch.empty(w.tp.shape, dtype=w.meta.dtype, device="meta")
         geo = w.geometry
         flat = storage.params[geo.dtype]
         with torch.no_grad():
@@ -165,7 +179,8 @@ def build(
     dtype = precision.param_dtype
     for plan in replicated:
         param = plan.param
-        if (
+        layout = layouts.get(id(param))
+        if layout is None and (
             dtype is None
             or plan.keep_dtype
             or not param.is_floating_point()
@@ -174,8 +189,13 @@ def build(
             registered.append(param)
             continue
         # Read through a copy in the compute dtype (made once per step, runtime/casts.py), so
-        # the whole forward runs in one dtype.
-        cast = CastWeight(plan.fqns[0], param, dtype, runtime)
+        # the whole forward runs in one dtype; a tensor-parallel one also to be handed to its
+        # module as a DTensor, in its own dtype where no other is asked for.
+        cast_dtype = param.dtype if dtype is None or plan.keep_dtype else dtype
+        cast = CastWeight(plan.fqns[0], param, cast_dtype, runtime)
+        cast.tp = layout
+        if layout is not None:
+            cast.meta = torch.empty(layout.shape, dtype=cast_dtype, device="meta")
         new = make_gtp_parameter(param.detach(), param.requires_grad, cast)
         _replace(plan, new)
         cast_weights.append(cast)
@@ -198,12 +218,24 @@ def _cast_norm_statistics(root: nn.Module, dtype: torch.dtype) -> None:
                     module._buffers[name] = buffer.to(dtype)
 
 
-def _sync_from_rank0(root: nn.Module, plans: list[ParameterPlan], comm: Comm) -> None:
+def _sync_from_rank0(
+    root: nn.Module,
+    plans: list[ParameterPlan],
+    comm: Comm,
+    layouts: dict[int, TPLayout],
+    mesh: GTPMesh,
+) -> None:
     """Start every rank from rank 0's parameters and buffers, as DDP does, so ranks that
-    initialized with different seeds still train one model."""
-    named = [(plan.fqns[0], plan.param.data) for plan in plans]
+    initialized with different seeds still train one model. A tensor-parallel parameter's
+    local block differs between tp ranks: it comes from the first data rank of this rank's tp
+    coordinate."""
     with torch.no_grad():
-        for name, tensor in named + list(root.named_buffers()):
+        for plan in plans:
+            tp = id(plan.param) in layouts
+            axis = mesh.data if tp else mesh.world
+            what = f"broadcast of '{plan.fqns[0]}' from {'data ' if tp else ''}rank 0"
+            comm.wait(comm.broadcast(plan.param.data, what, axis))
+        for name, tensor in root.named_buffers():
             comm.wait(comm.broadcast(tensor, f"broadcast of '{name}' from rank 0"))
 
 

@@ -23,6 +23,7 @@ from ..geometry import ShardGeometry
 if TYPE_CHECKING:
     from ..mesh import MeshAxis
     from ..precision.encoding import Encoding
+    from .tensor_parallel import TPLayout
 
 
 class Runtime(Protocol):
@@ -56,7 +57,7 @@ class ShardedWeight:
     __slots__ = (
         "index", "fqns", "geometry", "axis", "param", "encoding", "local", "meta", "runtime",
         "region", "grad_hooks", "grad_state", "pending_grads", "what_gather", "what_reduce",
-        "what_dp",
+        "what_dp", "tp",
     )  # fmt: skip
 
     def __init__(
@@ -88,6 +89,7 @@ class ShardedWeight:
         self.what_gather = f"all-gather of '{fqn}' ({{context}}step {{step}})"
         self.what_reduce = f"reduce-scatter of the gradient of '{fqn}' (step {{step}})"
         self.what_dp = f"dp all-reduce of the gradient of '{fqn}'"
+        self.tp: TPLayout | None = None  # its tensor-parallel layout: a use sees a DTensor
 
     @property
     def fqn(self) -> str:
@@ -150,7 +152,7 @@ class CastWeight:
     """A replicated floating-point parameter that passes read through its compute-dtype copy,
     re-cast when the parameter changed (its version counter moved, or an optimizer stepped)."""
 
-    __slots__ = ("fqn", "param", "cast", "cast_version", "meta", "runtime")
+    __slots__ = ("fqn", "param", "cast", "cast_version", "meta", "runtime", "tp")
 
     def __init__(self, fqn: str, like: torch.Tensor, dtype: torch.dtype, runtime: Runtime):
         self.fqn = fqn
@@ -159,6 +161,7 @@ class CastWeight:
         self.cast = torch.empty_like(like, dtype=dtype)
         self.cast_version = -1  # stale: cast before the first pass
         self.meta = torch.empty(like.shape, dtype=dtype, device="meta")
+        self.tp: TPLayout | None = None  # as ShardedWeight.tp
 
     def refresh(self) -> None:
         """Re-cast the copy if the parameter changed since it was made."""

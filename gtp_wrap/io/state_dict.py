@@ -15,38 +15,49 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..core.tensor_parallel import TPLayout
+from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
 from ..geometry import ShardGeometry
 from ..runtime.engine import GTPEngine
 
 
-def to_dtensor(engine: GTPEngine, lay: ShardGeometry, local: torch.Tensor) -> DTensor:
+def to_dtensor(
+    engine: GTPEngine, lay: ShardGeometry, local: torch.Tensor, tp: TPLayout | None = None
+) -> DTensor:
     """A local block of a sharded weight (or of its optimizer state) as a DTensor of the logical,
-    unpadded shape."""
+    unpadded shape; `tp`: the weight's tensor-parallel layout, whose local tensor GTP shards."""
+    shape = lay.shape if tp is None else tp.shape
     return DTensor.from_local(
         local,
         engine.mesh.device_mesh,
-        engine.mesh.placements(lay.dim),
+        engine.mesh.placements(lay.dim, None if tp is None else tp.placement),
         run_check=False,
-        shape=lay.shape,
-        stride=torch.empty(lay.shape, device="meta").stride(),
+        shape=shape,
+        stride=torch.empty(shape, device="meta").stride(),
     )
+
+
+_Managed = ShardedWeight | CastWeight  # a sharded weight, or a tensor-parallel replicated one
 
 
 def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
     """Make `state_dict()` return DTensors and `load_state_dict` accept them or full tensors.
 
-    The hooks sit on each module that owns a sharded weight, not only on the root, so the state
-    dict of any submodule (`model.backbone.state_dict()`) converts its weights too.
+    The hooks sit on each module that owns a sharded weight (or a tensor-parallel replicated
+    one, which is a DTensor over tp), not only on the root, so the state dict of any submodule
+    (`model.backbone.state_dict()`) converts its weights too.
     """
     # A module registered under two names (a block reused in a ModuleList) is reached through
     # both FQNs: one entry per parameter name of each module.
-    owned: dict[int, tuple[nn.Module, dict[str, ShardGeometry]]] = {}
-    for w in engine.weights:
-        for fqn in w.fqns:
+    owned: dict[int, tuple[nn.Module, dict[str, _Managed]]] = {}
+    managed: list[tuple[tuple[str, ...], _Managed]] = [(w.fqns, w) for w in engine.weights]
+    managed += [((w.fqn,), w) for w in engine.casts.cast_weights if w.tp is not None]
+    for fqns, w in managed:
+        for fqn in fqns:
             path, _, name = fqn.rpartition(".")
             module = root.get_submodule(path)
-            owned.setdefault(id(module), (module, {}))[1][name] = w.geometry
+            owned.setdefault(id(module), (module, {}))[1][name] = w
     for module, by_name in owned.values():
         weights = list(by_name.items())
         handle = module._register_state_dict_hook(functools.partial(_to_dtensors, engine, weights))
@@ -64,7 +75,7 @@ def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
 
 def _to_dtensors(
     engine: GTPEngine,
-    weights: list[tuple[str, ShardGeometry]],
+    weights: list[tuple[str, _Managed]],
     module: nn.Module,
     sd: dict,
     prefix: str,
@@ -72,17 +83,21 @@ def _to_dtensors(
 ) -> None:
     if engine.mesh.device_mesh is None:
         return
-    for name, lay in weights:
+    for name, w in weights:
         if prefix + name in sd:
             with torch._C.DisableTorchFunctionSubclass():
                 local = sd[prefix + name].detach()
-            sd[prefix + name] = to_dtensor(engine, lay, local)
+            if type(w) is ShardedWeight:
+                sd[prefix + name] = to_dtensor(engine, w.geometry, local, w.tp)
+            else:
+                assert w.tp is not None  # only tensor-parallel replicated weights have hooks
+                sd[prefix + name] = w.tp.wrap(local)
 
 
 def _to_local(
     engine: GTPEngine,
     module: nn.Module,
-    weights: list[tuple[str, ShardGeometry]],
+    weights: list[tuple[str, _Managed]],
     sd: dict,
     prefix: str,
     meta: dict,
@@ -96,17 +111,11 @@ def _to_local(
             "assign (the values are copied into the shards), or load into the module before "
             "GTPWrap"
         )
-    for name, lay in weights:
+    for name, w in weights:
         value = sd.get(prefix + name)
         if value is None:
             continue
-        if isinstance(value, DTensor):
-            if list(value.placements) == engine.mesh.placements(lay.dim):
-                value = value.to_local()
-            else:
-                value = value.full_tensor()
-        if value.shape == lay.shape:
-            value = lay.local_rows_of(value)
+        value = _local_value(engine, w, value)
         param = module._parameters[name]
         if param is not None and _same_elements(value, param):
             # The in-place round trip (state_dict, dcp.load, load_state_dict) hands back the
@@ -114,6 +123,27 @@ def _to_local(
             # that overlap, so hand over the parameter, which copies onto itself as a no-op.
             value = param.detach()
         sd[prefix + name] = value
+
+
+def _local_value(engine: GTPEngine, w: _Managed, value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a loaded value of `w`: the same DTensor's local block as it is, or
+    the rows of the full tensor (a DTensor of another layout is made full first)."""
+    if isinstance(w, CastWeight):  # tensor-parallel, replicated over gtp
+        assert w.tp is not None
+        if isinstance(value, DTensor):
+            if value.placements == w.tp.placements and value.device_mesh == w.tp.mesh:
+                return value.to_local()
+            value = value.full_tensor()
+        return w.tp.local_of(value) if value.shape == w.tp.shape else value
+    lay = w.geometry
+    if isinstance(value, DTensor):
+        tp = None if w.tp is None else w.tp.placement
+        if list(value.placements) == engine.mesh.placements(lay.dim, tp):
+            return value.to_local()
+        value = value.full_tensor()
+    if w.tp is not None and value.shape == w.tp.shape:
+        value = w.tp.local_of(value)
+    return lay.local_rows_of(value) if value.shape == lay.shape else value
 
 
 def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:

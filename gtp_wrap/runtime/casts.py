@@ -58,7 +58,7 @@ class Casts:
         self.cast_weights = cast_weights
         self._sharded = {id(p) for p in sharded}
         self.stats = stats
-        self.active = active  # whether anything is cast at all (a compute dtype, or FP8)
+        self.active = active  # whether anything is copied at all (a compute dtype, FP8, TP)
         _live.add(self)
 
     def refresh(self) -> None:

@@ -32,6 +32,7 @@ from ..comm.watch import Watch
 from ..config.plan import ParameterPlan
 from ..config.policy import GTPPolicy
 from ..core.build import build, check_ranks_agree, install_process_hooks
+from ..core.tensor_parallel import TPLayout
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError, WrapError
 from ..mesh import GTPMesh
@@ -110,6 +111,7 @@ class GTPEngine:
         policy: GTPPolicy,
         mesh: GTPMesh,
         device: torch.device,
+        layouts: dict[int, TPLayout],
     ) -> None:
         install_process_hooks()
         install_optimizer_hook()
@@ -119,14 +121,14 @@ class GTPEngine:
         timeout = policy.collective_timeout_s
         self.watch = Watch(str(next(_engine_ids)), timeout)
         self.agreement = Agreement(mesh.world_size, self.watch)
-        check_ranks_agree(plans, policy, self.agreement)
+        check_ranks_agree(plans, policy, self.agreement, layouts)
         self.precision = Precision.resolve(policy, mesh.gtp.size, device)
         self.reduce_dtype = self.precision.reduce_dtype
         average = policy.loss_reduction == "mean"
         self.comm = Comm(mesh, timeout, average, step=lambda: self.step, watch=self.watch)
         if policy.collectives == "copy_engine" and mesh.gtp.size > 1:
             self.comm.use_copy_engine(self.agreement, device, policy.group_numel)
-        built = build(root, plans, policy, self.precision, mesh, self.comm, self, device)
+        built = build(root, plans, policy, self.precision, mesh, self.comm, self, device, layouts)
         self.weights = built.weights
         self.decisions = built.decisions  # for gtp_wrap.describe
         self.passes = Passes(
@@ -137,11 +139,17 @@ class GTPEngine:
         )
         self.gatherer = Gatherer(shared, self.precision, policy.prefetch_depth)
         self.reducer = GradReducer(shared, mesh.dp, policy.group_numel, self.reduce_dtype)
-        active = self.precision.param_dtype is not None or self.precision.fp8
+        active = (
+            self.precision.param_dtype is not None
+            or self.precision.fp8
+            or bool(
+                built.cast_weights  # tensor-parallel replicated weights, in any dtype
+            )
+        )
         self.casts = Casts(built.storage, built.packing, built.cast_weights,
                            [w.param for w in self.weights], self.stats, active)  # fmt: skip
         self.replicated = ReplicatedGrads(
-            built.replicated, built.replicated_names, self.comm, mesh.world
+            built.replicated, built.replicated_names, self.comm, mesh.data
         )
         if mesh.world_size > 1:
             self.replicated.register(self.ensure_backward)

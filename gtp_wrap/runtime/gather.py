@@ -15,6 +15,9 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from ..core.weight import ShardedWeight, describe_group
 from ..precision.encoding import Precision
@@ -31,6 +34,18 @@ class SavedWeightView:
     size: torch.Size
     stride: tuple[int, ...]
     storage_offset: int | torch.SymInt
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedDTensorView:
+    """What autograd keeps instead of a DTensor over a gathered weight (a tensor-parallel
+    weight's, or a view of it): its local view's record and its own DTensor layout."""
+
+    local: SavedWeightView
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    size: torch.Size
+    stride: tuple[int, ...]
 
 
 _CONTEXT = {kind: f"{kind.label}, " for kind in PassKind}  # for error descriptions
@@ -138,6 +153,11 @@ class Gatherer(Part):
     def pack(self, t: torch.Tensor) -> Any:
         """Saved-tensor pack hook of a forward pass: a view of a gathered weight is saved as
         what re-gathers it; anything else as itself."""
+        if type(t) is DTensor:
+            local = self.pack(t._local_tensor)
+            if type(local) is not SavedWeightView:
+                return t
+            return SavedDTensorView(local, t.device_mesh, t.placements, t.size(), t.stride())
         if t.layout is not torch.strided or t.device != self.device or t.is_meta:
             return t
         try:
@@ -149,6 +169,11 @@ class Gatherer(Part):
         return SavedWeightView(buf.owner, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, saved: Any) -> torch.Tensor:
+        if type(saved) is SavedDTensorView:
+            return DTensor.from_local(
+                self.unpack(saved.local), saved.mesh, saved.placements, run_check=False,
+                shape=saved.size, stride=saved.stride,
+            )  # fmt: skip
         if not isinstance(saved, SavedWeightView):
             return saved
         self.ensure_backward()

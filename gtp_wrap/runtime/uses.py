@@ -131,12 +131,14 @@ class Uses:
         if not self.passes.stack:
             self.runtime.ensure_backward()  # a checkpoint recompute: uses inside backward
         if not torch.is_grad_enabled():
-            return [self._weight_of(p.gtp_weight) for p in params]
-        return list(BlockWeights.apply(self, *params))
+            weights = [self._weight_of(p.gtp_weight) for p in params]
+        else:
+            weights = list(BlockWeights.apply(self, *params))
+        return [_as_used(p.gtp_weight, t) for p, t in zip(params, weights)]
 
     def zeros_like_use(self, w: ShardedWeight) -> torch.Tensor:
-        """A zero gradient of the weight a use of `w` sees."""
-        return torch.zeros(w.meta.shape, dtype=w.meta.dtype, device=self.gatherer.device)
+        """A zero gradient of the (tp-local) weight a use of `w` reads."""
+        return torch.zeros(w.geometry.shape, dtype=w.meta.dtype, device=self.gatherer.device)
 
     def _weight_of(self, w: ShardedWeight | CastWeight) -> torch.Tensor:
         """What one use of `w` reads: its gathered full weight, or its compute-dtype copy."""
@@ -147,9 +149,9 @@ class Uses:
         w = p.gtp_weight  # type: ignore[attr-defined]
         grad = torch.is_grad_enabled() and p.requires_grad
         if type(w) is not ShardedWeight:  # replicated, used in the compute dtype
-            return CastGrad.apply(p, w.cast) if grad else w.cast
+            return _as_used(w, CastGrad.apply(p, w.cast) if grad else w.cast)
         full = self.gatherer.gather(w)
-        return RouteGrad.apply(p, full, self.runtime, w) if grad else full
+        return _as_used(w, RouteGrad.apply(p, full, self.runtime, w) if grad else full)
 
     def linear_weight(self, func: Callable, args: tuple, kwargs: dict) -> ShardedWeight | None:
         """The weight if this use is an F.linear that takes the engine's own linear: a sharded
@@ -160,7 +162,7 @@ class Uses:
         x, param = args[0], args[1]
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         w = param.gtp_weight
-        if type(w) is not ShardedWeight or len(w.geometry.shape) != 2:
+        if type(w) is not ShardedWeight or len(w.geometry.shape) != 2 or w.tp is not None:
             return None
         if type(x) is GTPParameter or x.dtype != self.precision.param_dtype or x.dim() == 0:
             return None
@@ -198,6 +200,12 @@ class Uses:
             return ShardedLinear.apply(x, param, full, bias, self.runtime, w, scale)
         assert scale is not None  # without autograd only FP8 GEMMs take this route
         return fp8.linear_forward(x, full, scale, geo, bias)
+
+
+def _as_used(w: ShardedWeight | CastWeight, local: torch.Tensor) -> torch.Tensor:
+    """What a module's op takes for the weight: the full (or cast) local tensor, or for a
+    tensor-parallel weight its DTensor (see [Note: GTP over tensor parallelism])."""
+    return local if w.tp is None else w.tp.wrap(local)
 
 
 class BlockWeights(torch.autograd.Function):
