@@ -24,6 +24,7 @@ from parity_cases import (
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
+from gtp_wrap.api import engine_of
 
 
 def _mesh(kind: str):
@@ -82,3 +83,42 @@ def test_parity(mesh_kind: str, name: str) -> None:
         torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-5, atol=1e-6)
         if MESHES[mesh_kind] > 1 and mesh_kind != "1":
             assert got["stats"]["gathers"] > 0, "nothing was sharded"
+
+
+def _dp_order(rank: int, world: int) -> list[str]:
+    """The order in which a dp x gtp backward issues and waits its collectives, one weight per
+    group: 'rs' a reduce-scatter issued, 'ar' a dp all-reduce issued, 'land' one waited."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(3)))
+    GTPWrap(model, {"min_shard_numel": 0, "group_numel": 0}, mesh=mesh_2d(2, 2))
+    comm = engine_of(model).comm
+    events: list[str] = []
+    averaging: set[int] = set()
+    reduce_scatter, all_reduce, wait = comm.reduce_scatter, comm.all_reduce, comm.wait
+
+    def spy_rs(*args, **kwargs):  # type: ignore[no-untyped-def]
+        events.append("rs")
+        return reduce_scatter(*args, **kwargs)
+
+    def spy_ar(t, axis, *args, **kwargs):  # type: ignore[no-untyped-def]
+        pending = all_reduce(t, axis, *args, **kwargs)
+        if axis.name == "dp":
+            events.append("ar")
+            averaging.add(id(pending))
+        return pending
+
+    def spy_wait(pending, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if id(pending) in averaging:
+            events.append("land")
+        return wait(pending, *args, **kwargs)
+
+    comm.reduce_scatter, comm.all_reduce, comm.wait = spy_rs, spy_ar, spy_wait
+    model(torch.randn(2, 8)).sum().backward()
+    return events
+
+
+def test_dp_all_reduce_runs_under_the_next_groups_reduce_scatter() -> None:
+    """A group's dp all-reduce is issued when its reduce-scatter completes and waited for only
+    when the next group is finalized (or backward ends), not at once."""
+    for events in cached_ranks(_dp_order, 4):
+        assert events == ["rs", "rs", "ar", "rs", "ar", "land", "ar", "land", "land"], events

@@ -5,17 +5,22 @@ dict's round trip, and the mistakes refused at wrap."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from harness import cached_ranks, caught, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -26,10 +31,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 import gtp_wrap
-from gtp_wrap import GTPWrap
+from gtp_wrap import GTPWrap, checkpoint
 from gtp_wrap.app.model import GPT, GPTConfig
 from gtp_wrap.app.train import CONFIG_DIR
 from gtp_wrap.config.policy import LayerRule, resolve_policy
+from gtp_wrap.runtime.engine import is_wrapped
 
 # ffn=42: 21 rows of the MLP's weights per tp rank, which 2 gtp ranks split 11 / 10 (padded).
 CFG = GPTConfig(vocab=64, d=32, layers=2, heads=4, ffn=42, max_seq=16)
@@ -303,3 +309,78 @@ def test_readme_snippet_trains_as_gtp_alone() -> None:
     for rank, losses in enumerate(with_tp):
         assert len(losses) == 3
         assert losses == pytest.approx(alone[rank // 2], rel=1e-5)
+
+
+def _optimizer_full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every per-element optimizer state tensor as a full tensor, by FQN and name."""
+    out = {}
+    for fqn, state in checkpoint.optimizer_state_dict(model, opt).items():
+        for k, v in state.items():
+            if isinstance(v, DTensor):
+                v = v.full_tensor()
+            if isinstance(v, torch.Tensor) and v.dim():
+                out[f"{fqn}/{k}"] = v.detach().cpu().clone()
+    return out
+
+
+def _trained_with_state(mesh: Any, tp: bool) -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    if tp:
+        parallelize_module(model, mesh["tp"], tp_plan(model, sequence=True))
+    GTPWrap(model, POLICY, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _checkpoints(rank: int, world: int) -> dict:
+    """Saved at gtp2 x tp2 (sequence-parallel norms too, rows not dividing by tp x gtp), loaded
+    at gtp4, at dp2 x gtp1 x tp2, into the unwrapped model, and back through
+    torch.distributed.checkpoint: every weight and optimizer state, bitwise."""
+    root = Path(tempfile.gettempdir()) / f"gtp_tp_ckpt_{os.getppid()}"
+    mesh = gtp_wrap.make_mesh(gtp=2, tp=2, device_type="cpu")
+    model, opt = _trained_with_state(mesh, tp=True)
+    data = mesh.get_local_rank("gtp")
+    for step in range(2):
+        _loss(model, _batch(step)[data * 2 : data * 2 + 2]).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = checkpoint.save(root, model, opt, step=2)
+    weights, state = gtp_wrap.full_state_dict(model), _optimizer_full(model, opt)
+
+    def same(other: nn.Module, other_opt: torch.optim.Optimizer | None) -> bool:
+        got = gtp_wrap.full_state_dict(other) if is_wrapped(other) else other.state_dict()
+        ok = all(torch.equal(got[k].cpu(), v) for k, v in weights.items())
+        if other_opt is not None:
+            got_state = _optimizer_full(other, other_opt)
+            ok = ok and all(torch.equal(got_state[k], v) for k, v in state.items())
+        return ok
+
+    out = {}
+    gtp4, gtp4_opt = _trained_with_state(gtp_wrap.make_mesh(gtp=4, device_type="cpu"), tp=False)
+    checkpoint.load(saved, gtp4, gtp4_opt)
+    out["gtp4"] = same(gtp4, gtp4_opt)
+    mesh3 = gtp_wrap.make_mesh(dp=2, gtp=1, tp=2, device_type="cpu")
+    tp2, tp2_opt = _trained_with_state(mesh3, tp=True)
+    checkpoint.load(saved, tp2, tp2_opt)
+    out["tp2"] = same(tp2, tp2_opt)
+    plain = GPT(CFG)
+    checkpoint.load(saved, plain)
+    out["unwrapped"] = same(plain, None)
+    dcp_dir = root / "dcp"
+    dcp.save(model.state_dict(), checkpoint_id=dcp_dir)
+    again, _ = _trained_with_state(mesh, tp=True)
+    target = again.state_dict()
+    dcp.load(target, checkpoint_id=dcp_dir)
+    again.load_state_dict(target)
+    out["dcp"] = same(again, None)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+@pytest.mark.parametrize("into", ["gtp4", "tp2", "unwrapped", "dcp"])
+def test_checkpoint_saved_at_gtp2_tp2_loads_bitwise(into: str) -> None:
+    for r in cached_ranks(_checkpoints, 4):
+        assert r[into], into

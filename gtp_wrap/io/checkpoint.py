@@ -10,16 +10,16 @@ Layout of one checkpoint folder:
 - `rank{r}.safetensors`: the pieces rank r owns: its rows of every sharded tensor (weights and
   their optimizer state) if it is the first replica along dp, and every replicated tensor if it
   is rank 0; plus its RNG states.
-- `rank{r}.json`: for each piece, the logical shape, the shard dim and the row range it holds;
-  and the file's CRC-32.
+- `rank{r}.json`: for each piece, the logical shape and the box it holds (a range per dim;
+  none for a whole tensor); and the file's CRC-32.
 - `meta.json`: world size, optimizer hyperparameters, the caller's `extra`. Written last.
 
 [Note: no pickle, atomic publish] Everything is safetensors or JSON, so loading never unpickles
 (torch.distributed.checkpoint pickles its metadata). A checkpoint is written into
 `.tmp-step_NNNNNN/` and renamed only after every rank reported its file written; a rank that fails
-leaves the previous checkpoints as they were. Pieces are row ranges along one dim, so loading at
-another world size or mesh reads just the overlapping rows of each piece (safetensors slices without
-reading whole files).
+leaves the previous checkpoints as they were. Pieces are boxes of the logical tensors (rows of a
+GTP shard; rows of one column block beside tensor parallelism), so loading at another world size
+or mesh reads just the overlap of each piece (safetensors slices without reading whole files).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import CheckpointError, GTPError
-from ..geometry import row_block
 from ..runtime.engine import engine_of, is_wrapped
 from .state_dict import full_state_dict, to_dtensor
 
@@ -58,20 +58,25 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     parameters as DTensors of the logical shape, so it reshards with the model."""
     fqn_of = {id(p): name for name, p in model.named_parameters()}
     engine = engine_of(model) if is_wrapped(model) else None
-    layout_of = {id(w.param): w.geometry for w in engine.weights} if engine else {}
+    sharded = {id(w.param): w for w in engine.weights} if engine else {}
+    tp_replicated = (
+        {id(c.param): c.tp for c in engine.casts.cast_weights if c.tp is not None} if engine else {}
+    )
     out: dict[str, Any] = {}
     for p, state in optimizer.state.items():
         entry = {}
+        w, tp = sharded.get(id(p)), tp_replicated.get(id(p))
         for k, v in state.items():
-            lay = layout_of.get(id(p))
+            per_element = isinstance(v, torch.Tensor) and v.shape == p.shape
             if (
                 engine
                 and engine.mesh.device_mesh is not None  # one process: the shard is the whole
-                and lay is not None
-                and isinstance(v, torch.Tensor)
-                and v.shape == p.shape
+                and w is not None
+                and per_element
             ):
-                v = to_dtensor(engine, lay, v)
+                v = to_dtensor(engine, w.geometry, v, w.tp)
+            elif tp is not None and per_element:  # a tensor-parallel block, replicated by GTP
+                v = tp.wrap(v)
             entry[k] = v
         out[fqn_of[id(p)]] = entry
     return out
@@ -137,26 +142,22 @@ def _drop_unsaved_state(
 
 
 def _pieces(tensors: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, dict, bool]]:
-    """(key, local tensor, description, whether this rank writes it) for every tensor."""
+    """(key, local tensor, description, whether this rank writes it) for every tensor. A
+    DTensor's local block is a box of the logical tensor (a range per dim: a strided shard of a
+    tensor-parallel block is one too), as DTensor itself places it; a replica along a mesh dim
+    is written by that dim's first rank."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     for key, v in tensors.items():
-        if isinstance(v, DTensor):
-            coord = v.device_mesh.get_coordinate() or [0] * v.device_mesh.ndim
-            dim, start, end, writes = None, 0, v.shape[0] if v.dim() else 0, True
-            for mesh_dim, placement in enumerate(v.placements):
-                if isinstance(placement, Shard):
-                    dim = placement.dim
-                    parts = v.device_mesh.size(mesh_dim)
-                    start, end = row_block(v.shape[dim], parts, coord[mesh_dim])
-                elif coord[mesh_dim] != 0:
-                    writes = False  # another replica along this dim writes it
-            desc = {"shape": list(v.shape), "dtype": str(v.dtype), "dim": dim}
-            if dim is not None:
-                desc |= {"start": start, "end": end}
-            yield key, v.to_local(), desc, writes
-        else:
-            desc = {"shape": list(v.shape), "dtype": str(v.dtype), "dim": None}
+        desc: dict[str, Any] = {"shape": list(v.shape), "dtype": str(v.dtype), "box": None}
+        if not isinstance(v, DTensor):
             yield key, v, desc, rank == 0
+            continue
+        mesh = v.device_mesh
+        coord = mesh.get_coordinate() or [0] * mesh.ndim
+        shape, offset = compute_local_shape_and_global_offset(v.shape, mesh, v.placements)
+        writes = all(c == 0 for c, p in zip(coord, v.placements) if p.is_replicate())
+        desc["box"] = [[o, o + n] for o, n in zip(offset, shape)]
+        yield key, v.to_local(), desc, writes
 
 
 # ---- save -----------------------------------------------------------------------------------
@@ -515,31 +516,32 @@ class _Reader:
             return f.get_tensor(key) if index is None else f.get_slice(key)[index]
 
     def assemble(self, key: str, pieces: list[dict], want: dict) -> torch.Tensor:
-        """This rank's part of `key` as `want` describes it (a row range, or everything)."""
-        saved_dim = pieces[0]["dim"]
-        if saved_dim is None:
-            return _narrow(self.read(pieces[0], key), want)
-        if want["dim"] == saved_dim:  # same split dim: read only the overlapping rows
-            start, end = want["start"], want["end"]
-            shape = list(want["shape"])
-            shape[saved_dim] = end - start
-            out = torch.empty(shape, dtype=_dtype(want["dtype"]))
-            for p in pieces:
-                lo, hi = max(start, p["start"]), min(end, p["end"])
-                if lo < hi:
-                    index = (slice(None),) * saved_dim + (slice(lo - p["start"], hi - p["start"]),)
-                    out.narrow(saved_dim, lo - start, hi - lo).copy_(self.read(p, key, index))
-            return out
-        full = torch.empty(want["shape"], dtype=_dtype(want["dtype"]))
+        """This rank's part of `key` as `want` describes it (a box, or everything), read from
+        the saved pieces it overlaps, whatever mesh saved them."""
+        want_box = _box(want)
+        if not want_box:  # a scalar, saved whole
+            return self.read(pieces[0], key)
+        out = torch.empty([hi - lo for lo, hi in want_box], dtype=_dtype(want["dtype"]))
         for p in pieces:
-            full.narrow(saved_dim, p["start"], p["end"] - p["start"]).copy_(self.read(p, key))
-        return _narrow(full, want)
+            box = _box(p)
+            overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want_box, box)]
+            if any(lo >= hi for lo, hi in overlap):
+                continue
+            src = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, box))
+            dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, want_box))
+            out[dst].copy_(self.read(p, key, src))
+        return out
 
 
-def _narrow(full: torch.Tensor, want: dict) -> torch.Tensor:
-    if want["dim"] is None:
-        return full
-    return full.narrow(want["dim"], want["start"], want["end"] - want["start"])
+def _box(desc: dict) -> list[tuple[int, int]]:
+    """A piece's range in each dim: its "box"; the whole tensor where it has none (a replicated
+    tensor), or, as checkpoints before boxes described it, one `dim` split `start:end`."""
+    whole = [(0, n) for n in desc["shape"]]
+    if desc.get("box") is not None:
+        return [(lo, hi) for lo, hi in desc["box"]]
+    if desc.get("dim") is not None:
+        whole[desc["dim"]] = (desc["start"], desc["end"])
+    return whole
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -3,8 +3,11 @@ each shard's `.grad`, and handed to users' hooks; the sharded sibling of runtime
 
 Each use's full weight gradient joins the collecting group; a group is issued as one
 reduce-scatter once it holds `group_numel` elements, and finalized when the next group is issued
-(so its collective runs under that group's backward compute) or when backward ends. Each
-weight's `GradState` (core/weight.py) is advanced here and nowhere else.
+(so its collective runs under that group's backward compute) or when backward ends. With dp,
+finalizing a group issues its dp all-reduces and lands the group before it, whose all-reduces
+have run meanwhile: a group goes collecting -> reducing -> averaging -> landed, each hand-off at
+the next group's issue, and the end of backward lands them all. Each weight's `GradState`
+(core/weight.py) is advanced here and nowhere else.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class ReduceGroup:
     fulls: list[torch.Tensor] = dataclasses.field(default_factory=list)  # inputs, until issued
     numel: int = 0
     pending: Pending | None = None
+    averaging: list[Pending] = dataclasses.field(default_factory=list)  # its dp all-reduces
 
 
 class GradReducer(Part):
@@ -52,6 +56,7 @@ class GradReducer(Part):
         self.reduce_dtype = reduce_dtype
         self._collecting = ReduceGroup()  # gradients not yet issued
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
+        self._averaging: ReduceGroup | None = None  # reduced, its dp all-reduces in flight
         # Weights whose `.grad` this backward wrote, in the order they first landed: a weight
         # used twice may land, take another gradient and land again, but its hooks run once.
         self._landed: dict[ShardedWeight, None] = {}
@@ -143,12 +148,25 @@ class GradReducer(Part):
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def _finalize(self, group: ReduceGroup) -> None:
-        """Complete a group's reduce-scatter, reduce over dp, and land each gradient in its
-        shard's grad."""
+        """Complete a group's reduce-scatter; with dp, issue its dp all-reduces and land the
+        group before it (whose all-reduces had this group's reduce-scatter to run under), else
+        land it."""
         self.comm.wait(group.pending)  # type: ignore[arg-type]
+        if self.dp.size == 1:
+            self._land(group)
+            return
+        group.averaging = [self.comm.all_reduce(g.out, self.dp, g.weight.what_dp)
+                           for g in group.grads]  # fmt: skip
+        prev, self._averaging = self._averaging, group
+        if prev is not None:
+            self._land(prev)
+
+    def _land(self, group: ReduceGroup) -> None:
+        """Write each gradient of a group, reduced over gtp and dp, into its shard's grad."""
+        for pending in group.averaging:
+            self.comm.wait(pending)
         for g in group.grads:
             w = g.weight
-            self.comm.wait(self.comm.all_reduce(g.out, self.dp, w.what_dp))
             param = w.param
             local = w.geometry.local_of_slot(g.out)
             w.grad_landed()
@@ -170,6 +188,9 @@ class GradReducer(Part):
             if self._reducing is not None:
                 self._finalize(self._reducing)
                 self._reducing = None
+            if self._averaging is not None:
+                self._land(self._averaging)
+                self._averaging = None
 
     def region_landed(self, weights: Iterable[ShardedWeight]) -> None:
         """A graphed region's replay wrote these weights' `.grad`."""
@@ -194,15 +215,22 @@ class GradReducer(Part):
         """Forget a backward that raised: its collectives in flight and its pending grads.
         Every weight is reset, not only those of the groups: a collective that raised while
         being issued or finalized leaves its group in neither."""
-        for group in (self._collecting, self._reducing):
-            if group is not None and group.pending is not None:
-                self.comm.abandon(group.pending)
+        for group in (self._collecting, self._reducing, self._averaging):
+            if group is not None:
+                for pending in [group.pending, *group.averaging]:
+                    if pending is not None:
+                        self.comm.abandon(pending)
         for w in self.weights:
             w.abandon_grads()
-        self._collecting, self._reducing, self._landed = ReduceGroup(), None, {}
+        self._collecting, self._reducing, self._averaging = ReduceGroup(), None, None
+        self._landed = {}
 
     def in_flight(self) -> list[Pending]:
-        """The reduce-scatter in flight, if any (for a fence before a graph replay)."""
+        """The reduce-scatter and dp all-reduces in flight, if any (for a fence before a graph
+        replay)."""
+        out = []
         if self._reducing is not None and self._reducing.pending is not None:
-            return [self._reducing.pending]
-        return []
+            out.append(self._reducing.pending)
+        if self._averaging is not None:
+            out += self._averaging.averaging
+        return out
