@@ -93,3 +93,25 @@ def test_policy_overrides_parse_as_literals() -> None:
                                   "fp8_matmul=true", "collectives=copy_engine"]))  # fmt: skip
     assert got == {"collective_timeout_s": 30.5, "prefetch_depth": 2, "fp8_matmul": True,
                    "collectives": "copy_engine"}  # fmt: skip
+
+
+def test_collective_counts_match_tensor_parallel_arithmetic(tmp_path: Path) -> None:
+    """collective_counts.py on 2 CPU ranks (the smoke model): torch's TP with sequence
+    parallelism moves 4 all-gathers and 4 reduce-scatters of tokens x d bf16 per layer per step
+    (2 of each per pass), plus the head's gather and the embedding's in backward; GTP's and
+    FSDP2's bytes do not depend on the batch."""
+    out = tmp_path / "counts.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           str(ROOT / "benchmarks/collective_counts.py"), "--model", "smoke", "--seq", "64",
+           "--batch", "1", "4", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {(r["method"], r["batch"]): r for r in json.loads(out.read_text())["rows"]}
+    layers, d = 2, 64
+    for batch in (1, 4):
+        tp = rows["tp", batch]
+        assert tp["count_all_gather"] == 4 * layers + 2
+        assert tp["count_reduce_scatter"] == 4 * layers
+        assert tp["bytes_total"] == (8 * layers + 2) * batch * 64 * d * 2
+    for method in ("gtp", "fsdp2"):
+        assert rows[method, 1]["bytes_total"] == rows[method, 4]["bytes_total"] > 0
