@@ -63,10 +63,25 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             "and initialize) before wrapping"
         )
     gtp_mesh = resolve_mesh(mesh, device)
-    apply_tp_plan(module, plan_tensor_parallel(module, resolved), gtp_mesh)  # `tp` rules
-    layouts = take_tp_layouts(module, gtp_mesh)  # DTensors of tensor parallelism: local ones
-    plans = plan_parameters(module, resolved)
-    engine = GTPEngine(module, plans, resolved, gtp_mesh, device, layouts)
+    tp_plan = plan_tensor_parallel(module, resolved)
+    apply_tp_plan(module, tp_plan, gtp_mesh)  # the policy's `tp` rules, checked first
+    registered = [(m, dict(m._parameters)) for m in module.modules()]
+    try:
+        layouts = take_tp_layouts(module, gtp_mesh)  # DTensors of TP: local ones, and layouts
+        global_numel = {k: layout.shape.numel() for k, layout in layouts.items()}
+        plans = plan_parameters(module, resolved, global_numel)
+        engine = GTPEngine(module, plans, resolved, gtp_mesh, device, layouts)
+    except BaseException as error:
+        # The parameters go back as they were given; the styles torch's TP applied stay.
+        for m, params in registered:
+            m._parameters.clear()
+            m._parameters.update(params)
+        if tp_plan:
+            error.add_note(
+                "The policy's tp rules had already applied torch's tensor parallelism to the "
+                "model: build the model again before wrapping it again."
+            )
+        raise
     install_state_dict_hooks(module, engine)
     attach(module, engine)
     return module

@@ -57,15 +57,16 @@ class GTPMesh:
     def world_size(self) -> int:
         return self.world.size
 
-    def placements(self, dim: int, tp: Placement | None = None) -> list[Placement]:
-        """DTensor placements of a weight sharded along `dim` over gtp, one per mesh dim; `tp`:
-        the weight's placement over the tp dim, whose local tensor GTP shards. Where both
-        split the same dim, each tp block is split over gtp: a strided shard."""
+    def placements(self, dim: int | None, tp: Placement | None = None) -> list[Placement]:
+        """DTensor placements of a weight sharded along `dim` over gtp (None: replicated over
+        it), one per mesh dim; `tp`: the weight's placement over the tp dim, whose local tensor
+        GTP shards. Where both split the same dim, each tp block is split over gtp: a strided
+        shard."""
         assert self.device_mesh is not None  # only distributed engines make DTensors
         if self.device_mesh.ndim == 1:  # the GTP group itself, whatever its dim is named
-            return [Shard(dim)]
-        over_gtp: Placement = Shard(dim)
-        if isinstance(tp, Shard) and tp.dim == dim:
+            return [Replicate() if dim is None else Shard(dim)]
+        over_gtp: Placement = Replicate() if dim is None else Shard(dim)
+        if dim is not None and isinstance(tp, Shard) and tp.dim == dim:
             over_gtp = _StridedShard(dim, split_factor=self.tp.size)
         by_name = {DP: Replicate(), GTP: over_gtp, TP: tp or Replicate()}
         return [by_name[name] for name in self.device_mesh.mesh_dim_names or ()]

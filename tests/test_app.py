@@ -118,12 +118,14 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("data.val_fraction=1.5", "data.val_fraction=1.5: must be between 0 and 1"),
         ("trainer.compile=yes", "trainer.compile='yes': must be true or false"),
         ("trainer.gather_per_block=1", "trainer.gather_per_block=1: must be true or false"),
-        ("mesh=[1,1,3]", "tp=3 does not divide model.heads=4"),
+        ("mesh=[1,1,3]", "tp=3, but the policy has no tp rules"),
+        ("mesh=[1,1,3] policy=tp", "tp=3 does not divide model.heads=4"),
+        ("mesh=[1,2,0]", "every size must be a whole number >= 1"),
         ("mesh=[1,1,1,2]", "give two sizes, [dp, gtp], or three, [dp, gtp, tp]"),
     ],
 )
 def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:
-    proc = _train(override, f"out_dir={tmp_path}", timeout=60)
+    proc = _train(*override.split(), f"out_dir={tmp_path}", timeout=60)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "checkpoints").exists()

@@ -5,6 +5,7 @@ dict's round trip, and the mistakes refused at wrap."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -43,6 +44,11 @@ CFG = GPTConfig(vocab=64, d=32, layers=2, heads=4, ffn=42, max_seq=16)
 POLICY: dict[str, Any] = {"min_shard_numel": 0}
 # configs/policy/tp.yaml, the `tp` rules applying the plan below with sequence parallelism.
 TP_POLICY = {"rules": resolve_policy(f"{CONFIG_DIR}/policy/tp.yaml").rules, "min_shard_numel": 0}
+# The tp policy without its rule for the final norm, which runs on the split stream.
+NO_FINAL_NORM_RULE = {
+    "rules": [r for r in TP_POLICY["rules"] if r.match != "norm"],
+    "min_shard_numel": 0,
+}
 CFG_ODD = GPTConfig(vocab=64, d=32, layers=1, heads=4, ffn=43, max_seq=16)
 
 
@@ -94,7 +100,13 @@ def _loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(idx[:, :-1]).float().flatten(0, 1), idx[:, 1:].flatten())
 
 
-def _train(mesh: Any, sequence: bool | None, policy: dict, clip: float | None = None) -> dict:
+def _train(
+    mesh: Any,
+    sequence: bool | None,
+    policy: dict,
+    clip: float | None = None,
+    norm_type: float = 2.0,
+) -> dict:
     """3 AdamW steps of the TP + GTP model on this data rank's half of each batch and of the
     reference on the whole batch; their weights after, the first step's norm before clipping.
     `sequence`: the TP plan applied by hand (with sequence parallelism or not); None: the
@@ -119,8 +131,8 @@ def _train(mesh: Any, sequence: bool | None, policy: dict, clip: float | None = 
         _loss(model, idx[data * per : (data + 1) * per]).backward()
         _loss(ref, idx).backward()
         if clip is not None:
-            got = gtp_wrap.clip_grad_norm_(model, clip)
-            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            got = gtp_wrap.clip_grad_norm_(model, clip, norm_type)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type)
             norms.append((got.item(), want.item()))
         opt.step()
         opt.zero_grad()
@@ -228,7 +240,23 @@ def _errors(mesh: Any) -> dict[str, str]:
         "indivisible": with_rule({"match": "*.mlp.up", "tp": "colwise"}, CFG_ODD),
         "no_module": with_rule({"match": "blocks.*.attn.q_proj", "tp": "colwise"}),
         "tied": with_rule({"match": "head", "tp": "colwise"}),
+        "half_sequence": with_rule({"match": "*_norm", "tp": "sequence"}),
+        "plain_on_stream": caught(lambda: GTPWrap(GPT(CFG), NO_FINAL_NORM_RULE, mesh=mesh)),
+        "tp_unused": caught(lambda: GTPWrap(GPT(CFG), POLICY, mesh=mesh)),
+        "restored": _failed_wrap_restores(mesh),
     }
+
+
+def _failed_wrap_restores(mesh: Any) -> str:
+    """A wrap that fails after taking the TP plan's DTensors apart gives them back: the same
+    model then wraps."""
+    model = GPT(CFG)
+    parallelize_module(model, mesh["tp"], tp_plan(model))
+    bad = {"rules": [{"match": "nothing.here", "strict": True}, {"match": "Linear"}]}
+    first = caught(lambda: GTPWrap(model, bad, mesh=mesh))
+    dtensors = isinstance(model.blocks[0].attn.qkv.weight, DTensor)
+    second = caught(lambda: GTPWrap(model, POLICY, mesh=mesh))
+    return f"{first} | DTensor after: {dtensors} | then: {second}"
 
 
 def _results() -> list[dict]:
@@ -301,6 +329,12 @@ def test_policy_tp_mistakes_are_refused_at_wrap() -> None:
     assert "'blocks.0.mlp.up.weight'" in errors["indivisible"]
     assert "matched no module" in errors["no_module"] and "q_proj" in errors["no_module"]
     assert "tied (embed.weight, head.weight)" in errors["tied"]
+    assert "needs all three" in errors["half_sequence"]
+    assert "'norm' (RMSNorm) holds parameters but has no tp style" in errors["plain_on_stream"]
+    assert "WrapError" in errors["tp_unused"] and "no parameter of GPT" in errors["tp_unused"]
+    first, dtensors, then = errors["restored"].split(" | ")
+    assert first.startswith("PolicyError") and dtensors == "DTensor after: True"
+    assert then == "then: no error"
 
 
 @pytest.mark.parametrize(
@@ -316,15 +350,25 @@ def test_bad_tp_rules_are_refused(fields: dict, message: str) -> None:
         LayerRule(match="x", **fields)
 
 
-def _three_dims(rank: int, world: int) -> float:
+def _three_dims(rank: int, world: int) -> dict:
     mesh = gtp_wrap.make_mesh(dp=2, gtp=2, tp=2, device_type="cpu")
     assert mesh.mesh_dim_names == ("dp", "gtp", "tp")
-    return _train(mesh, False, POLICY)["diff"]
+    out: dict[str, Any] = {"plan": _train(mesh, False, POLICY)["diff"]}
+    for norm_type in (2.0, float("inf")):  # the tp policy: sequence-parallel norms too
+        r = _train(mesh, None, TP_POLICY, clip=0.05, norm_type=norm_type)
+        out[f"policy_{norm_type}"] = (r["diff"], r["norms"])
+    return out
 
 
 def test_dp_gtp_tp_on_eight_ranks() -> None:
-    for diff in run_ranks(_three_dims, 8):
-        assert diff < ADAMW_TOLERANCE
+    """dp2 x gtp2 x tp2, by hand and by policy, with the L2 and the max norm clipped."""
+    for r in run_ranks(_three_dims, 8):
+        assert r["plan"] < ADAMW_TOLERANCE
+        for norm_type in (2.0, float("inf")):
+            diff, norms = r[f"policy_{norm_type}"]
+            assert diff < ADAMW_TOLERANCE
+            for got, want in norms:
+                assert got == pytest.approx(want, rel=1e-5)
 
 
 def _readme_snippet() -> str:
@@ -340,23 +384,26 @@ def _run_readme(rank: int, world: int, with_tp: bool) -> list[float]:
     """The README's snippet (the process group is the harness's), or the same with GTP alone
     on a data rank per rank: the losses."""
     code = _readme_snippet().replace('dist.init_process_group("gloo")', "pass")
-    code = code.replace("print(gtp_wrap.describe(model))", "pass")
+    code = code.replace("print(gtp_wrap.describe(model))", "table = str(gtp_wrap.describe(model))")
     if not with_tp:
         code = code.replace("make_mesh(gtp=2, tp=2,", "make_mesh(gtp=2,")
         code = re.sub(r' *\{"match": "[^"]*", "tp": "[a-z]*"\},\n', "", code)
     code = code.replace("loss.backward()", "loss.backward()\n    losses.append(loss.item())")
     scope: dict = {"losses": []}
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
-    return scope["losses"]
+    return scope["losses"], scope["table"]
 
 
 def test_readme_snippet_trains_as_gtp_alone() -> None:
-    """gtp2 x tp2 on 4 ranks takes the same steps as gtp2 alone on 2: the same data ranks."""
+    """gtp2 x tp2 on 4 ranks (tensor-parallel weights, as describe shows) takes the same steps
+    as gtp2 alone on 2: the same data ranks."""
     with_tp = run_ranks(_run_readme, 4, True)
     alone = run_ranks(_run_readme, 2, False)
-    for rank, losses in enumerate(with_tp):
+    for rank, (losses, table) in enumerate(with_tp):
+        assert "shard(0), tp S(0)" in table and "shard(0), tp S(1)" in table
         assert len(losses) == 3
-        assert losses == pytest.approx(alone[rank // 2], rel=1e-5)
+        assert losses == pytest.approx(alone[rank // 2][0], rel=1e-5)
+    assert "tp S" not in alone[0][1]
 
 
 def _optimizer_full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -395,6 +442,11 @@ def _checkpoints(rank: int, world: int) -> dict:
         opt.zero_grad()
     saved = checkpoint.save(root, model, opt, step=2)
     weights, state = gtp_wrap.full_state_dict(model), _optimizer_full(model, opt)
+    written = [
+        (key, json.dumps(desc["box"]))
+        for r in range(world)
+        for key, desc in json.loads((saved / f"rank{r}.json").read_text())["pieces"].items()
+    ]
 
     def same(other: nn.Module, other_opt: torch.optim.Optimizer | None) -> bool:
         got = gtp_wrap.full_state_dict(other) if is_wrapped(other) else other.state_dict()
@@ -404,7 +456,7 @@ def _checkpoints(rank: int, world: int) -> dict:
             ok = ok and all(torch.equal(got_state[k], v) for k, v in state.items())
         return ok
 
-    out = {}
+    out = {"written_once": len(written) == len(set(written))}
     gtp4, gtp4_opt = _trained_with_state(gtp_wrap.make_mesh(gtp=4, device_type="cpu"), tp=False)
     checkpoint.load(saved, gtp4, gtp4_opt)
     out["gtp4"] = same(gtp4, gtp4_opt)
@@ -428,7 +480,7 @@ def _checkpoints(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("into", ["gtp4", "tp2", "unwrapped", "dcp"])
+@pytest.mark.parametrize("into", ["written_once", "gtp4", "tp2", "unwrapped", "dcp"])
 def test_checkpoint_saved_at_gtp2_tp2_loads_bitwise(into: str) -> None:
     for r in cached_ranks(_checkpoints, 4):
         assert r[into], into

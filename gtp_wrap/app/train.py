@@ -114,7 +114,14 @@ def _validate(cfg: dict, run_dir: str) -> None:
     TokenStream(DataConfig(**cfg["data"]), t["seq"], cfg["model"]["vocab"], cfg["seed"])
     if cfg["mesh"] is not None and len(cfg["mesh"]) not in (2, 3):
         raise LaunchError(f"mesh={cfg['mesh']}: give two sizes, [dp, gtp], or three, [dp, gtp, tp]")
+    if cfg["mesh"] is not None and not all(isinstance(n, int) and n >= 1 for n in cfg["mesh"]):
+        raise LaunchError(f"mesh={cfg['mesh']}: every size must be a whole number >= 1")
     tp = _tp_size(cfg["mesh"])
+    if tp > 1 and not any(rule.tp for rule in policy.rules):
+        raise LaunchError(
+            f"mesh={cfg['mesh']} has tp={tp}, but the policy has no tp rules: its tp ranks "
+            "would compute the same thing twice; use policy=tp (or your own with tp rules)"
+        )
     if cfg["model"]["heads"] % tp:
         raise LaunchError(
             f"mesh={cfg['mesh']}: tp={tp} does not divide model.heads={cfg['model']['heads']}; "

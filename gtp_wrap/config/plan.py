@@ -56,8 +56,13 @@ def is_stat_norm(module: nn.Module) -> bool:
     return isinstance(module, _NormBase)
 
 
-def plan_parameters(module: nn.Module, policy: GTPPolicy) -> list[ParameterPlan]:
-    """Apply `policy` to every unique parameter of `module`, in registration order."""
+def plan_parameters(
+    module: nn.Module, policy: GTPPolicy, global_numel: dict[int, int] | None = None
+) -> list[ParameterPlan]:
+    """Apply `policy` to every unique parameter of `module`, in registration order.
+    `global_numel`: by parameter id, the element count a tensor-parallel parameter has over
+    every tp rank, which `min_shard_numel` is compared with (its tp blocks may differ)."""
+    global_numel = global_numel or {}
     owners: dict[int, _Entries] = {}
     params: dict[int, nn.Parameter] = {}
     for mod_fqn, mod in module.named_modules(remove_duplicate=False):
@@ -86,7 +91,8 @@ def plan_parameters(module: nn.Module, policy: GTPPolicy) -> list[ParameterPlan]
             and policy.norm_in_fp32
             and any(is_stat_norm(mod) for _, mod, _ in entries)
         )
-        shard_dim, reason = _decide(chosen, p, entries, policy, keep_dtype)
+        numel = global_numel.get(key, p.numel())
+        shard_dim, reason = _decide(chosen, p, entries, policy, keep_dtype, numel)
         if len(entries) > 1 and matching:
             reason += _shared_note(policy, rule_classes, p, entries, matching[0])
         plans.append(
@@ -128,8 +134,10 @@ def _decide(
     entries: _Entries,
     policy: GTPPolicy,
     keep_dtype: bool,
+    numel: int,
 ) -> tuple[int | None, str]:
-    """(shard dim or None, the reason in words) for a parameter that `rule` decides."""
+    """(shard dim or None, the reason in words) for a parameter that `rule` decides; `numel`:
+    its element count over every tp rank."""
     if rule is None:
         return None, "no rule"
     if rule.action == "replicate":
@@ -142,10 +150,10 @@ def _decide(
     if keep_dtype:
         # Gathered, it would arrive in param_dtype next to fp32 running statistics.
         return None, "a running-statistics norm's, kept in fp32 (norm_in_fp32)"
-    if param.numel() == 0:
+    if numel == 0:
         return None, "empty"
-    if param.numel() < policy.min_shard_numel:
-        return None, f"below min_shard_numel ({param.numel()} < {policy.min_shard_numel})"
+    if numel < policy.min_shard_numel:
+        return None, f"below min_shard_numel ({numel} < {policy.min_shard_numel})"
     return rule.dim, f"rule {rule.match!r}"
 
 

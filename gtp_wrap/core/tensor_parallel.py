@@ -94,6 +94,7 @@ def apply_tp_plan(module: nn.Module, plan: dict[str, TPStyle], mesh: GTPMesh) ->
             "(gtp_wrap.make_mesh(gtp=..., tp=...); gtp-train mesh=[dp, gtp, tp])"
         )
     tp = mesh.tp.size
+    _check_sequence_styles(module, plan)
     sequence = "sequence" in plan.values()
     shared = _shared_weights(module)
     styles: dict[str, ParallelStyle] = {}
@@ -103,6 +104,33 @@ def apply_tp_plan(module: nn.Module, plan: dict[str, TPStyle], mesh: GTPMesh) ->
             _check_splittable(fqn, mod, style, tp, shared)
         styles[fqn] = _style(style, mod, sequence)
     parallelize_module(module, mesh.tp_mesh, styles)
+
+
+_SEQUENCE_STYLES = ("sequence", "split_sequence", "gather_sequence")
+
+
+def _check_sequence_styles(module: nn.Module, plan: dict[str, TPStyle]) -> None:
+    """Sequence parallelism is all or nothing: the stream split where it starts, joined where
+    it ends, and every module holding parameters styled. A plain parameter on the split stream
+    would get only this rank's part of its gradient, silently (its module must be `sequence`)."""
+    used = {s for s in plan.values() if s in _SEQUENCE_STYLES}
+    if not used:
+        return
+    if used != set(_SEQUENCE_STYLES):
+        missing = sorted(set(_SEQUENCE_STYLES) - used)
+        raise PolicyError(
+            f"the policy's tp rules use {sorted(used)} but not {missing}: sequence parallelism "
+            "needs all three (sequence on the norms, split_sequence where the stream starts, "
+            "gather_sequence where it ends)"
+        )
+    for fqn, mod in module.named_modules():
+        if fqn not in plan and any(p is not None for p in mod._parameters.values()):
+            raise PolicyError(
+                f"with sequence parallelism, '{fqn}' ({type(mod).__name__}) holds parameters "
+                "but has no tp style: on activations split over the sequence its parameters' "
+                "gradients would be only this rank's part. Give it a tp rule (sequence for a "
+                "norm), or apply your own parallelize_module plan before GTPWrap"
+            )
 
 
 def _style(style: TPStyle, mod: nn.Module, sequence: bool) -> ParallelStyle:
@@ -184,6 +212,14 @@ def take_tp_layouts(module: nn.Module, mesh: GTPMesh) -> dict[int, TPLayout]:
                 replaced[id(p)] = new
                 layouts[id(new)] = layout
             mod._parameters[name] = new
+    if mesh.tp.size > 1 and not layouts:
+        raise WrapError(
+            f"the mesh has a tp dim of {mesh.tp.size} ranks, but no parameter of "
+            f"{type(module).__name__} is tensor-parallel: its tp ranks would compute the same "
+            "thing twice and never agree on their gradients. Apply tensor parallelism (the "
+            "policy's tp rules, or parallelize_module on mesh['tp'] before GTPWrap), or leave "
+            "tp out of the mesh"
+        )
     return layouts
 
 

@@ -152,20 +152,23 @@ class CastWeight:
     """A replicated floating-point parameter that passes read through its compute-dtype copy,
     re-cast when the parameter changed (its version counter moved, or an optimizer stepped)."""
 
-    __slots__ = ("fqn", "param", "cast", "cast_version", "meta", "runtime", "tp")
+    __slots__ = ("fqn", "param", "cast", "cast_version", "meta", "runtime", "tp", "aliased")
 
     def __init__(self, fqn: str, like: torch.Tensor, dtype: torch.dtype, runtime: Runtime):
         self.fqn = fqn
         self.param: torch.nn.Parameter  # set by the build
         self.runtime = runtime
-        self.cast = torch.empty_like(like, dtype=dtype)
+        # In the parameter's own dtype (a tensor-parallel block read as a DTensor) the "copy"
+        # is the parameter's data itself: nothing to hold twice or re-cast.
+        self.aliased = dtype == like.dtype
+        self.cast = like.detach() if self.aliased else torch.empty_like(like, dtype=dtype)
         self.cast_version = -1  # stale: cast before the first pass
         self.meta = torch.empty(like.shape, dtype=dtype, device="meta")
         self.tp: TPLayout | None = None  # as ShardedWeight.tp
 
     def refresh(self) -> None:
         """Re-cast the copy if the parameter changed since it was made."""
-        if self.cast_version != self.param._version:
+        if self.cast_version != self.param._version and not self.aliased:
             self.cast.copy_(self.param)
             self.cast_version = self.param._version
 

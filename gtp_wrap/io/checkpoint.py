@@ -44,7 +44,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..errors import CheckpointError, GTPError
 from ..runtime.engine import engine_of, is_wrapped
-from .state_dict import full_state_dict, to_dtensor
+from .state_dict import full_state_dict, to_dtensor, tp_block_to_dtensor
 
 _NAME = re.compile(r"^(?:step|ckpt)_(\d{6,})$")
 _FORMAT = 1
@@ -75,8 +75,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
                 and per_element
             ):
                 v = to_dtensor(engine, w.geometry, v, w.tp)
-            elif tp is not None and per_element:  # a tensor-parallel block, replicated by GTP
-                v = tp.wrap(v)
+            elif engine and tp is not None and per_element:  # a tp block, replicated by GTP
+                v = tp_block_to_dtensor(engine, tp, v)
             entry[k] = v
         out[fqn_of[id(p)]] = entry
     return out

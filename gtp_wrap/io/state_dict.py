@@ -38,6 +38,16 @@ def to_dtensor(
     )
 
 
+def tp_block_to_dtensor(engine: GTPEngine, tp: TPLayout, local: torch.Tensor) -> DTensor:
+    """A tensor-parallel block that GTP replicates (or its optimizer state) as a DTensor over
+    the whole mesh: split over tp as torch's TP split it, replicated over dp and gtp (so one
+    rank of each tp block writes it to a checkpoint)."""
+    return DTensor.from_local(
+        local, engine.mesh.device_mesh, engine.mesh.placements(None, tp.placement),
+        run_check=False, shape=tp.shape, stride=tp.stride,
+    )  # fmt: skip
+
+
 _Managed = ShardedWeight | CastWeight  # a sharded weight, or a tensor-parallel replicated one
 
 
@@ -91,7 +101,7 @@ def _to_dtensors(
                 sd[prefix + name] = to_dtensor(engine, w.geometry, local, w.tp)
             else:
                 assert w.tp is not None  # only tensor-parallel replicated weights have hooks
-                sd[prefix + name] = w.tp.wrap(local)
+                sd[prefix + name] = tp_block_to_dtensor(engine, w.tp, local)
 
 
 def _to_local(
@@ -131,7 +141,7 @@ def _local_value(engine: GTPEngine, w: _Managed, value: torch.Tensor) -> torch.T
     if isinstance(w, CastWeight):  # tensor-parallel, replicated over gtp
         assert w.tp is not None
         if isinstance(value, DTensor):
-            if value.placements == w.tp.placements and value.device_mesh == w.tp.mesh:
+            if list(value.placements) == engine.mesh.placements(None, w.tp.placement):
                 return value.to_local()
             value = value.full_tensor()
         return w.tp.local_of(value) if value.shape == w.tp.shape else value
