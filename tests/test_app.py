@@ -86,6 +86,20 @@ def test_tensor_parallel_training_matches_gtp_alone(tmp_path: Path) -> None:
     assert len(got) == 4 and got == pytest.approx(want, rel=1e-4)
 
 
+def test_moe_training_reports_tokens_per_expert(tmp_path: Path) -> None:
+    """model=moe_tiny policy=moe: the expert stacks sharded, the routed token slots per expert
+    summed over the steps and ranks, shown as a table and kept in metrics.json."""
+    proc = _train("model=moe_tiny", "policy=moe", "trainer.steps=3", f"out_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (tmp_path / "train.log").read_text()
+    assert "routed token slots per expert" in log and "max/mean" in log
+    assert "blocks.0.mlp.experts.gate_up  8x256x128  shard(1)" in log
+    tokens = _metrics(tmp_path)["tokens_per_expert"]
+    # 4 blocks x 8 experts; per block: 3 steps x 2 ranks x 4 sequences x 32 tokens x top 2.
+    assert len(tokens) == 4 and all(len(row) == 8 for row in tokens)
+    assert all(sum(row) == 3 * 2 * 4 * 32 * 2 for row in tokens)
+
+
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
 

@@ -1,4 +1,6 @@
-"""A Llama-style GPT: RMSNorm, rotary embeddings, SwiGLU MLP, causal attention (SDPA)."""
+"""A Llama-style GPT: RMSNorm, rotary embeddings, SwiGLU MLP, causal attention (SDPA); with
+`experts`, a mixture of experts in place of each MLP (top-k routing, stacked expert weights, an
+optional shared expert, a load-balancing loss)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ class GPTConfig:
     max_seq: int = 256
     tie_embeddings: bool = True
     rope_base: float = 10000.0
+    experts: int = 0  # routed experts per block (0: a dense MLP)
+    top_k: int = 2  # experts per token
+    moe_ffn: int = 0  # each expert's hidden width (0: ffn)
+    shared_expert: bool = False  # a dense SwiGLU of moe_ffn beside the routed experts
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss
 
     def __post_init__(self) -> None:
         if self.d % self.heads or (self.d // self.heads) % 2:
@@ -27,10 +34,20 @@ class GPTConfig:
                 f"model.d={self.d} must split into {self.heads} heads of even size; "
                 "pick d divisible by 2 * heads"
             )
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"model.top_k={self.top_k} must be between 1 and experts")
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn or self.ffn
 
     @property
     def n_params(self) -> int:
-        per_layer = 4 * self.d * self.d + 3 * self.d * self.ffn + 2 * self.d
+        mlp = 3 * self.d * self.ffn
+        if self.experts:  # all experts (the parameters held, not those a token uses)
+            mlp = self.experts * (3 * self.d * self.expert_ffn + self.d)
+            mlp += 3 * self.d * self.expert_ffn if self.shared_expert else 0
+        per_layer = 4 * self.d * self.d + mlp + 2 * self.d
         head = 0 if self.tie_embeddings else self.vocab * self.d
         return self.vocab * self.d + self.layers * per_layer + self.d + head
 
@@ -58,14 +75,114 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, ffn: int | None = None) -> None:
         super().__init__()
-        self.gate = nn.Linear(cfg.d, cfg.ffn, bias=False)
-        self.up = nn.Linear(cfg.d, cfg.ffn, bias=False)
-        self.down = nn.Linear(cfg.ffn, cfg.d, bias=False)
+        ffn = ffn or cfg.ffn
+        self.gate = nn.Linear(cfg.d, ffn, bias=False)
+        self.up = nn.Linear(cfg.d, ffn, bias=False)
+        self.down = nn.Linear(ffn, cfg.d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Experts(nn.Module):
+    """`n` SwiGLU experts as stacked weights, the layout of Hugging Face transformers 5.x and of
+    torchtitan: `gate_up` [n, 2·ffn, d] (each expert's gate rows, then its up rows) and `down`
+    [n, d, ffn]. Each stack is read once per call, whatever the routing, so a sharded stack
+    is gathered once per pass."""
+
+    def __init__(self, n: int, d: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(n, 2 * ffn, d))
+        self.down = nn.Parameter(torch.empty(n, d, ffn))
+        for w in (self.gate_up, self.down):
+            nn.init.normal_(w, std=0.02)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`x`: tokens sorted by expert, `counts[e]` of them for expert e."""
+        h = grouped_mm(x, self.gate_up.transpose(1, 2), counts)
+        gate, up = h.chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), counts)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Row block e of `x` (counts[e] rows, in order) times `w[e]`: one grouped GEMM on GPUs
+    that have it (`torch._grouped_mm`, bf16 on Hopper), else a loop over the experts with
+    tokens. Either way autograd saves `w` once, whatever the routing (a sharded stack is then
+    re-gathered once in backward)."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] >= 9:
+        return torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
+    return _LoopGroupedMM.apply(x, w, counts)
+
+
+class _LoopGroupedMM(torch.autograd.Function):
+    """The grouped GEMM as a loop over the experts with tokens, saving the stack whole (indexing
+    it per expert inside autograd would save one slice per routed expert)."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts):  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.counts = counts.tolist()
+        return _loop_mm(x, w, ctx.counts)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        dx = _loop_mm(grad, w.transpose(1, 2), ctx.counts)
+        dw = torch.zeros_like(w)  # an expert without tokens has a zero gradient
+        start = 0
+        for e, n in enumerate(ctx.counts):
+            if n:
+                dw[e] = x[start : start + n].t() @ grad[start : start + n]
+                start += n
+        return dx, dw, None
+
+
+def _loop_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    parts = [x.new_empty(0, w.shape[-1])]
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            parts.append(x[start : start + n] @ w[e])
+            start += n
+    return torch.cat(parts)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (and an optional shared expert) with a load-balancing loss.
+
+    The router's softmax picks `top_k` experts per token, their weights renormalized; tokens
+    are sorted by expert, run through the stacked experts, and summed back weighted. The
+    Switch Transformer's load-balancing loss, `experts · Σ_e f_e · P_e` (f: the share of
+    routed slots, P: the mean router probability of expert e), is kept in `aux_loss` for the
+    training loss, and the slots each expert got in `tokens_per_expert`."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n, self.top_k, self.coef = cfg.experts, cfg.top_k, cfg.aux_loss_coef
+        self.router = nn.Linear(cfg.d, cfg.experts, bias=False)
+        self.experts = Experts(cfg.experts, cfg.d, cfg.expert_ffn)
+        self.shared = SwiGLU(cfg, cfg.expert_ffn) if cfg.shared_expert else None
+        self.aux_loss = torch.zeros(())
+        self.tokens_per_expert = torch.zeros(cfg.experts, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = self.router(flat).float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        order = chosen.flatten().argsort(stable=True)  # the token slots, sorted by expert
+        counts = torch.bincount(chosen.flatten(), minlength=self.n)
+        tokens = order // self.top_k
+        routed = self.experts(flat[tokens], counts) * weights.flatten()[order, None]
+        out = torch.zeros_like(flat).index_add_(0, tokens, routed)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        share = counts.float() / chosen.numel()
+        self.aux_loss = self.coef * self.n * (share * probs.mean(dim=0)).sum()
+        self.tokens_per_expert = counts.detach()
+        return out.view_as(x)
 
 
 class Block(nn.Module):
@@ -74,7 +191,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.d)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg) if cfg.experts else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -103,6 +220,18 @@ class GPT(nn.Module):
     def _init(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
+
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the last forward's MoE blocks (zero without experts):
+        add it to the training loss."""
+        losses = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoE)]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """Routed token slots per expert in the last forward: [MoE blocks, experts] (no rows
+        without experts)."""
+        counts = [b.mlp.tokens_per_expert for b in self.blocks if isinstance(b.mlp, MoE)]
+        return torch.stack(counts) if counts else torch.zeros(0, 0, dtype=torch.long)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)

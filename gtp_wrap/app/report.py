@@ -59,6 +59,19 @@ def summary_table(rows: list[tuple], stats: dict, steps: int) -> str:
     return "\n".join(lines)
 
 
+def expert_table(tokens: torch.Tensor) -> str:
+    """Routed token slots per expert, as each MoE block's shares in percent: are the experts
+    balanced? (`tokens`: [blocks, experts], summed over the run and the data ranks.)"""
+    n = tokens.shape[1]
+    head = "block  " + " ".join(f"{f'e{e}':>6}" for e in range(n)) + "   max/mean"
+    lines = [head]
+    for i, row in enumerate(tokens.tolist()):
+        total = sum(row) or 1
+        shares = " ".join(f"{100 * c / total:5.1f}%" for c in row)
+        lines.append(f"{i:>5}  {shares}   {max(row) * n / total:8.2f}")
+    return "\n".join(lines)
+
+
 def plot_losses(history: dict, path: Path) -> None:
     import matplotlib
 

@@ -240,6 +240,8 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         model.train()
         return _mean(total / t["eval_batches"])
 
+    # Routed token slots per MoE block and expert over this invocation's steps.
+    expert_tokens = torch.zeros(model.tokens_per_expert().shape, dtype=torch.long, device=device)
     stop = t["steps"] if t["stop_at"] is None else min(t["stop_at"], t["steps"])
     tokens_per_step = world // _tp_size(cfg["mesh"]) * t["batch"] * t["seq"] * t["accumulation"]
     with _progress_bar(rank == 0 and sys.stderr.isatty(), stop, start) as bar:
@@ -252,8 +254,11 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
                 last = micro == t["accumulation"] - 1
                 with contextlib.nullcontext() if last else gtp_wrap.no_sync(model):
                     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / t["accumulation"]
-                    loss.backward()
+                    # The MoE blocks' load-balancing loss trains the routers (zero when dense).
+                    (loss + model.aux_loss().to(device) / t["accumulation"]).backward()
                 loss_sum += loss.detach()
+                if model_cfg.experts:
+                    expert_tokens += model.tokens_per_expert()
             if t["grad_clip"]:
                 gtp_wrap.clip_grad_norm_(model, t["grad_clip"])
             optim.step()
@@ -288,6 +293,11 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
                 checkpoint.prune(ckpt_root, cfg["checkpoint"]["keep"])
 
     stats = gtp_wrap.stats(model)
+    if model_cfg.experts:  # every data rank's tokens (a tp group's ranks route the same ones)
+        dist.all_reduce(expert_tokens)
+        expert_tokens //= _tp_size(cfg["mesh"])
+        if rank == 0:
+            log.info("routed token slots per expert:\n%s", report.expert_table(expert_tokens))
     if rank == 0:
         rows = report.memory_rows(model, optim, model_cfg.n_params)
         table = report.summary_table(rows, stats, stop - start - 1)
@@ -301,6 +311,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
                 "history": history,
                 "memory": [{"what": n, "gtp_bytes": a, "unsharded_bytes": b} for n, a, b in rows],
                 "stats": stats,
+                "tokens_per_expert": expert_tokens.tolist(),
             },
         )
         log.info("run directory: %s (train.log, loss.png, metrics.json, checkpoints/)", out)

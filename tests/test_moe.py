@@ -1,0 +1,159 @@
+"""The reference mixture of experts: its routing and experts against a per-token computation,
+its grouped GEMM's gradients, and GTP on its stacked experts (policy moe) against the unwrapped
+model when the ranks route their tokens to different experts."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import cached_ranks
+from torch import nn
+
+import gtp_wrap
+from gtp_wrap import GTPWrap
+from gtp_wrap.api import engine_of
+from gtp_wrap.app.model import GPT, GPTConfig, MoE, _LoopGroupedMM
+from gtp_wrap.app.train import CONFIG_DIR
+from gtp_wrap.config.policy import resolve_policy
+
+CFG = GPTConfig(vocab=64, d=32, layers=2, heads=4, ffn=48, max_seq=16, experts=4, top_k=2,
+                moe_ffn=16, shared_expert=True)  # fmt: skip
+POLICY = {"rules": resolve_policy(f"{CONFIG_DIR}/policy/moe.yaml").rules, "min_shard_numel": 0}
+
+
+def _per_token(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE output token by token: the top-k experts' SwiGLU outputs, weighted by their
+    renormalized router probabilities, plus the shared expert."""
+    out = []
+    for t in x.reshape(-1, x.shape[-1]):
+        probs = moe.router(t).softmax(-1)
+        weights, chosen = probs.topk(moe.top_k)
+        y = torch.zeros_like(t)
+        for w, e in zip(weights / weights.sum(), chosen.tolist()):
+            gate, up = (moe.experts.gate_up[e] @ t).chunk(2)
+            y = y + w * (moe.experts.down[e] @ (F.silu(gate) * up))
+        if moe.shared is not None:
+            y = y + moe.shared(t)
+        out.append(y)
+    return torch.stack(out).view_as(x)
+
+
+def test_moe_matches_a_per_token_computation() -> None:
+    torch.manual_seed(0)
+    moe = MoE(CFG).double()
+    x = torch.randn(2, 5, CFG.d, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), _per_token(moe, x))
+    counts = moe.tokens_per_expert
+    assert counts.sum() == 2 * 5 * CFG.top_k
+    # The Switch Transformer's load-balancing loss.
+    probs = moe.router(x.reshape(-1, CFG.d)).softmax(-1).mean(0)
+    want = CFG.aux_loss_coef * CFG.experts * (counts / counts.sum() * probs).sum()
+    torch.testing.assert_close(moe.aux_loss, want.float())  # the router computes in fp32
+
+
+def test_loop_grouped_gemm_gradients() -> None:
+    """Experts with and without tokens, against finite differences."""
+    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    counts = torch.tensor([3, 0, 4])
+    assert torch.autograd.gradcheck(lambda a, b: _LoopGroupedMM.apply(a, b, counts), (x, w))
+
+
+def _skewed(model: nn.Module, rank: int) -> list:
+    """Route rank 0's tokens to experts 0 and 1 only; rank 1's as the router says."""
+    bias = torch.zeros(CFG.experts)
+    if rank == 0:
+        bias[:2] = torch.tensor([30.0, 20.0])
+    return [b.mlp.router.register_forward_hook(lambda m, i, o: o + bias) for b in model.blocks]
+
+
+def _loss(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+    logits = model(idx[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()) + model.aux_loss()
+
+
+def _moe_ranks(rank: int, world: int) -> dict:
+    """3 AdamW steps with routing that differs per rank, against the unwrapped model on both
+    ranks' halves (each routed as its rank routes it); the chains; the tokens per expert."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    GTPWrap(model, POLICY)
+    _skewed(model, rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        idx = torch.randint(0, CFG.vocab, (4, 9), generator=torch.Generator().manual_seed(step))
+        _loss(model, idx[rank * 2 : rank * 2 + 2]).backward()
+        total = torch.zeros(())
+        for r in range(world):
+            hooks = _skewed(ref, r)
+            total = total + _loss(ref, idx[r * 2 : r * 2 + 2]) / world
+            for h in hooks:
+                h.remove()
+        total.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full, want = gtp_wrap.full_state_dict(model), ref.state_dict()
+    engine = engine_of(model)
+    name = {w.index: w.fqn for w in engine.weights}
+    stacks = {w.fqn for w in engine.weights if ".experts." in w.fqn}
+    per_pass = {
+        str(key[0]): sorted({sum(name[i] == s for i in chain.order) for s in stacks})
+        for key, chain in engine.passes.chains.items()
+    }
+    return {
+        "diff": max((full[k] - v).abs().max().item() for k, v in want.items()),
+        "stacks": sorted(stacks),
+        "per_pass": per_pass,
+        "tokens": model.tokens_per_expert().tolist(),
+    }
+
+
+def _results() -> list[dict]:
+    return cached_ranks(_moe_ranks, 2)
+
+
+def test_expert_stacks_train_exactly_when_ranks_route_differently() -> None:
+    r0, r1 = _results()
+    assert r0["diff"] < 1e-4 and r1["diff"] < 1e-4  # AdamW over 3 steps, as elsewhere
+    for block in r0["tokens"]:  # rank 0 used two experts only; rank 1 more
+        assert block[2:] == [0, 0] and block[:2] != [0, 0]
+    assert any(sum(c > 0 for c in block) > 2 for block in r1["tokens"])
+
+
+def test_each_expert_stack_is_gathered_once_per_pass() -> None:
+    for r in _results():
+        assert r["stacks"] == [f"blocks.{i}.mlp.experts.{s}" for i in (0, 1)
+                               for s in ("down", "gate_up")]  # fmt: skip
+        assert r["per_pass"] == {"PassKind.FORWARD": [1], "PassKind.BACKWARD": [1]}
+
+
+@pytest.mark.parametrize("bad", [{"top_k": 5}, {"top_k": 0}])
+def test_bad_moe_configs_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        GPTConfig(experts=4, **bad)
+
+
+def test_readme_snippet_trains_the_moe() -> None:
+    """The README's mixture-of-experts snippet, in one process: it trains, and counts
+    2 x 32 x 4 sequences' routed slots per block."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Mixture of experts (reference model)", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None, "the README's mixture-of-experts section has no python block"
+    code = match.group(1).replace(
+        "print(model.tokens_per_expert())", "counts = model.tokens_per_expert()"
+    )
+    code = code.replace("opt.step()", "opt.step()\n    losses.append(loss.item())")
+    scope: dict = {"losses": []}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    assert len(scope["losses"]) == 3 and all(math.isfinite(x) for x in scope["losses"])
+    assert scope["counts"].shape == (2, 4) and (scope["counts"].sum(1) == 4 * 32 * 2).all()
