@@ -59,7 +59,14 @@ MODELS = {
                        tie_embeddings=False),
     "125M": GPTConfig(vocab=32000, d=768, layers=12, heads=12, ffn=2048, max_seq=2048),
     "smoke": GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=172, max_seq=64),
+    # ~1.2B parameters in all, ~0.2B per token (configs/model/moe_1b.yaml).
+    "moe_1b": GPTConfig(vocab=32000, d=1024, layers=16, heads=16, ffn=2816, max_seq=2048,
+                        tie_embeddings=False, experts=16, top_k=2, moe_ffn=1408),
+    "moe_smoke": GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=172, max_seq=64, experts=4,
+                           top_k=2, moe_ffn=32),
 }  # fmt: skip
+# GTP's rules for a mixture of experts (configs/policy/moe.yaml): each expert stack's rows.
+MOE_RULES = [{"match": "*.experts.*", "dim": 1}, {"match": "Linear"}, {"match": "Embedding"}]
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
 METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph", "floor_graph",
            "floor_compile", "fsdp2_compile", "gtp_compile", "gtp_blocks")  # fmt: skip
@@ -102,6 +109,8 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         fully_shard(model, mp_policy=mp)
         return model, _adamw(model.parameters(), fused_adamw), None
     policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32", **overrides}
+    if cfg.experts:
+        policy.setdefault("rules", MOE_RULES)
     if method.startswith("gtp_fp8"):
         policy["gather_dtype"] = "fp8"
         policy["fp8_matmul"] = method == "gtp_fp8_gemm"
@@ -119,9 +128,14 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, autocast: torch.d
     """The step every method and script times: forward (under `autocast` if given), fp32 loss,
     backward, optimizer step. No logits outlive the backward."""
 
+    gpt = model.module if isinstance(model, DistributedDataParallel) else model
+    moe = isinstance(gpt, GPT) and bool(gpt.cfg.experts)
+
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with torch.autocast(x.device.type, autocast, enabled=autocast is not None):
             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            if moe:  # the MoE blocks' load-balancing loss
+                loss = loss + gpt.aux_loss()
         loss.backward()
         optim.step()
 
@@ -324,12 +338,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2,
                     help="runs per method (alternating order); the fastest is kept")  # fmt: skip
     ap.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS)
-    ap.add_argument("--plan", default="1.36B:1,4,8;125M:1,8",
-                    help="model:batches;... (models: 1.36B, 125M, smoke)")  # fmt: skip
+    ap.add_argument("--plan", default=None,
+                    help="model:batches;... (models: " + ", ".join(MODELS) + "); default "
+                    "1.36B:1,4,8;125M:1,8, with --smoke smoke:2")  # fmt: skip
     args = ap.parse_args(argv)
     args.gtp_policy = dict(args.gtp_policy)
     if args.smoke:
-        args.seq, args.warmup, args.steps, args.plan, args.rounds = 32, 1, 2, "smoke:2", 1
+        args.seq, args.warmup, args.steps, args.rounds = 32, 1, 2, 1
+        args.plan = args.plan or "smoke:2"
+    args.plan = args.plan or "1.36B:1,4,8;125M:1,8"
     args.plan = [
         (name, [int(b) for b in batches.split(",")])
         for name, batches in (item.split(":") for item in args.plan.split(";"))

@@ -115,3 +115,16 @@ def test_collective_counts_match_tensor_parallel_arithmetic(tmp_path: Path) -> N
         assert tp["bytes_total"] == (8 * layers + 2) * batch * 64 * d * 2
     for method in ("gtp", "fsdp2"):
         assert rows[method, 1]["bytes_total"] == rows[method, 4]["bytes_total"] > 0
+
+
+def test_benchmark_smoke_on_the_moe(tmp_path: Path) -> None:
+    """bench_step.py on the smoke-sized mixture of experts: its expert stacks sharded by the
+    MoE rules, every method runs."""
+    methods = ["floor", "fsdp2", "gtp", "gtp_blocks"]
+    cmd = [sys.executable, str(ROOT / "benchmarks/bench_step.py"), "--smoke", "--plan",
+           "moe_smoke:2", "--methods", *methods, "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == methods and all(r["step_ms"] > 0 for r in rows)
+    assert all(r["model"] == "moe_smoke" for r in rows)
