@@ -233,8 +233,12 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
             gtp_wrap.reset_stats(model)  # count the timed (steady-state) steps only
     median = statistics.median(times)
     tokens = batch * seq
-    # An untied input embedding is a lookup, not a GEMM: its parameters do no FLOPs.
+    # An untied input embedding is a lookup, not a GEMM: its parameters do no FLOPs; of a
+    # mixture of experts, a token runs top_k experts of them all.
     gemm_params = cfg.n_params - (0 if cfg.tie_embeddings else cfg.vocab * cfg.d)
+    if cfg.experts:
+        idle = (cfg.experts - cfg.top_k) * 3 * cfg.d * cfg.expert_ffn
+        gemm_params -= cfg.layers * idle
     flops = 6 * gemm_params * tokens + 12 * cfg.layers * cfg.d * seq * tokens
     out = {
         "method": method,

@@ -18,12 +18,12 @@ import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.api import engine_of
 from gtp_wrap.app.model import GPT, GPTConfig, MoE, _LoopGroupedMM, grouped_mm
-from gtp_wrap.app.train import CONFIG_DIR
 from gtp_wrap.config.policy import resolve_policy
 
 CFG = GPTConfig(vocab=64, d=32, layers=2, heads=4, ffn=48, max_seq=16, experts=4, top_k=2,
                 moe_ffn=16, shared_expert=True)  # fmt: skip
-POLICY = {"rules": resolve_policy(f"{CONFIG_DIR}/policy/moe.yaml").rules, "min_shard_numel": 0}
+MOE_YAML = Path(__file__).parents[1] / "configs" / "policy" / "moe.yaml"
+POLICY = {"rules": resolve_policy(MOE_YAML).rules, "min_shard_numel": 0}
 
 
 def _per_token(moe: MoE, x: torch.Tensor) -> torch.Tensor:
