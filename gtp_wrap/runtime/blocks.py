@@ -21,6 +21,7 @@ that opens a pass when it is called on its own.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol
 
@@ -34,8 +35,11 @@ from ..errors import WrapError
 class BlockRuntime(Protocol):
     """What a block on gathered weights asks of its engine."""
 
-    def materialize(self, params: Sequence[GTPParameter]) -> list[torch.Tensor]:
-        """The weights one use of each of `params` sees, as in an intercepted use."""
+    def gathered(
+        self, params: Sequence[GTPParameter]
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """The weights one use of each of `params` sees, as in an intercepted use, for the
+        time of the block's forward."""
         ...
 
 
@@ -65,7 +69,10 @@ class GatheredBlock:
                     self.slots.append((module._parameters, name, index[id(p)]))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        weights = self.runtime.materialize(self.params)
+        with self.runtime.gathered(self.params) as weights:
+            return self._run(weights, args, kwargs)
+
+    def _run(self, weights: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         for slot, name, which in self.slots:
             slot[name] = weights[which]
         try:

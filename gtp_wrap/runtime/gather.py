@@ -36,12 +36,48 @@ class SavedWeightView:
     storage_offset: int | torch.SymInt
 
 
+@dataclasses.dataclass
+class BlockCall:
+    """The sharded weights of one call of a block run on gathered weights, re-gathered together
+    in backward.
+
+    [Note: a block's weights come back together] Inside a block, how often and in what order
+    autograd saves views of its weights can depend on the data: a mixture of experts saves a
+    view for each expert that got tokens, and which those are differs between ranks. Gathering
+    each saved view on its own in backward would then issue different gathers on different
+    ranks. So the first view of the block unpacked in backward gathers all of the block's
+    weights, in the block's order, whichever it saved, and every later view is a view of
+    those; they are held until the last view saved in forward is unpacked. Every rank then
+    issues the same gathers, as FSDP2 does per block, as long as each rank's call saved some
+    view of its weights (a block on an empty batch on one rank would not: its peers' gathers
+    would find no partner). What a checkpoint inside the block saves goes to the checkpoint,
+    which recomputes from the weights the block holds, and is never gathered again.
+    """
+
+    weights: list[ShardedWeight]
+    position: dict[int, int]  # weight index -> its place in `weights`
+    saved: int = 0  # views saved in forward and not yet unpacked
+    fulls: list[torch.Tensor] | None = None  # the weights gathered again, while views remain
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedBlockView:
+    """A saved view of a weight of a block call (see [Note: a block's weights come back
+    together])."""
+
+    call: BlockCall
+    place: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    storage_offset: int | torch.SymInt
+
+
 @dataclasses.dataclass(frozen=True)
 class SavedDTensorView:
     """What autograd keeps instead of a DTensor over a gathered weight (a tensor-parallel
     weight's, or a view of it): its local view's record and its own DTensor layout."""
 
-    local: SavedWeightView
+    local: SavedWeightView | SavedBlockView
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     size: torch.Size
@@ -67,6 +103,7 @@ class Gatherer(Part):
         self.eager = GatherBufferPool(self.device, gtp.rank, gtp.size)
         self.graphed = GatherBufferPool(self.device, gtp.rank, gtp.size)
         self.pool = self.eager
+        self.block_call: BlockCall | None = None  # the block whose forward runs now, if any
 
     def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
         """The logical full weight of `w`, gathered for one use of the current pass (with
@@ -155,7 +192,7 @@ class Gatherer(Part):
         what re-gathers it; anything else as itself."""
         if type(t) is DTensor:
             local = self.pack(t._local_tensor)
-            if type(local) is not SavedWeightView:
+            if type(local) not in (SavedWeightView, SavedBlockView):
                 return t
             return SavedDTensorView(local, t.device_mesh, t.placements, t.size(), t.stride())
         if t.layout is not torch.strided or t.device != self.device or t.is_meta:
@@ -166,6 +203,11 @@ class Gatherer(Part):
             return t
         if buf is None or buf.owner is None:
             return t
+        call = self.block_call
+        if call is not None and buf.owner.index in call.position:
+            call.saved += 1
+            place = call.position[buf.owner.index]
+            return SavedBlockView(call, place, t.size(), t.stride(), t.storage_offset())
         return SavedWeightView(buf.owner, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -174,6 +216,16 @@ class Gatherer(Part):
                 self.unpack(saved.local), saved.mesh, saved.placements, run_check=False,
                 shape=saved.size, stride=saved.stride,
             )  # fmt: skip
+        if type(saved) is SavedBlockView:
+            call = saved.call
+            if call.fulls is None:
+                self.ensure_backward()
+                call.fulls = [self.gather(w) for w in call.weights]
+            full = call.fulls[saved.place]
+            call.saved -= 1
+            if call.saved <= 0:
+                call.fulls = None  # the last view: the buffers go back with the views
+            return full.as_strided(saved.size, saved.stride, saved.storage_offset)
         if not isinstance(saved, SavedWeightView):
             return saved
         self.ensure_backward()

@@ -30,7 +30,8 @@ linear (see `Uses.linear_weight`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -42,7 +43,7 @@ from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
 from ..precision import fp8
 from ..precision.encoding import Precision
-from .gather import Gatherer
+from .gather import BlockCall, Gatherer
 from .passes import Passes
 from .stats import Stats
 
@@ -125,16 +126,29 @@ class Uses:
             kwargs = {k: swap(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
-    def materialize(self, params: Sequence[GTPParameter]) -> list[torch.Tensor]:
+    @contextlib.contextmanager
+    def gathered(self, params: Sequence[GTPParameter]) -> Iterator[list[torch.Tensor]]:
         """The weight one use of each parameter sees, in order: a block's weights, gathered
-        before its forward runs (see [Note: blocks on gathered weights], runtime/blocks.py)."""
+        before its forward runs (see [Note: blocks on gathered weights], runtime/blocks.py),
+        for the time of its forward; what the forward saves of them is re-gathered together
+        (see [Note: a block's weights come back together], runtime/gather.py)."""
         if not self.passes.stack:
             self.runtime.ensure_backward()  # a checkpoint recompute: uses inside backward
+        call = None
         if not torch.is_grad_enabled():
             weights = [self._weight_of(p.gtp_weight) for p in params]
         else:
+            # A group of one saves its weights as they are; a checkpoint's recompute (inside
+            # backward) hands what it saves to the checkpoint, not to the pass's hooks.
+            if not self.gatherer.local and not self.passes.in_backward():
+                sharded = [w for p in params if isinstance(w := p.gtp_weight, ShardedWeight)]
+                call = BlockCall(sharded, {w.index: i for i, w in enumerate(sharded)})
             weights = list(BlockWeights.apply(self, *params))
-        return [_as_used(p.gtp_weight, t) for p, t in zip(params, weights)]
+        outer, self.gatherer.block_call = self.gatherer.block_call, call
+        try:
+            yield [_as_used(p.gtp_weight, t) for p, t in zip(params, weights)]
+        finally:
+            self.gatherer.block_call = outer
 
     def zeros_like_use(self, w: ShardedWeight) -> torch.Tensor:
         """A zero gradient of the (tp-local) weight a use of `w` reads."""
