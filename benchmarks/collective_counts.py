@@ -17,8 +17,8 @@ projected to the model's layers and `batch x seq` tokens per data rank. Methods 
 fp32 gradient reductions, as bench_step.py's):
 - gtp: GTPWrap over both ranks (two data ranks);
 - fsdp2: fully_shard per block and at the root (two data ranks);
-- tp: the blocks split by torch's TP with sequence parallelism (tests/test_tensor_parallel.py's
-  plan); one data rank: both ranks read the same batch.
+- tp: the blocks split by torch's TP with sequence parallelism (`tensor_parallel_plan`, the
+  embedding and head whole on both ranks); one data rank: both ranks read the same batch.
 """
 
 from __future__ import annotations
@@ -36,20 +36,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bench_step import MODELS
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
-from gtp_wrap.app.model import GPT, GPTConfig
+from gtp_wrap.app.model import GPT, GPTConfig, tensor_parallel_plan
 
 METHODS = ("gtp", "fsdp2", "tp")
 
@@ -85,36 +77,6 @@ def _nbytes(x: Any) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 
-def _tp_plan(layers: int) -> dict[str, Any]:
-    """Llama-style TP of the blocks with sequence parallelism (torchtitan's plan, without the
-    vocabulary split: the embedding and head stay whole on both ranks)."""
-    plan: dict[str, Any] = {
-        "embed": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                   use_local_output=True),
-    }  # fmt: skip
-    for i in range(layers):
-        b = f"blocks.{i}"
-        plan |= {
-            f"{b}.attn_norm": SequenceParallel(),
-            f"{b}.mlp_norm": SequenceParallel(),
-            f"{b}.attn": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
-            ),
-            f"{b}.mlp": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            f"{b}.attn.qkv": ColwiseParallel(),
-            f"{b}.attn.o": RowwiseParallel(output_layouts=Shard(1)),
-            f"{b}.mlp.gate": ColwiseParallel(),
-            f"{b}.mlp.up": ColwiseParallel(),
-            f"{b}.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
-        }
-    return plan
-
-
 def measure(method: str, cfg: GPTConfig, tokens: int, seq: int, device: torch.device) -> dict:
     """Collectives and bytes of one steady-state forward + backward (after one warm-up)."""
     torch.manual_seed(0)
@@ -132,7 +94,7 @@ def measure(method: str, cfg: GPTConfig, tokens: int, seq: int, device: torch.de
     else:
         model.to(torch.bfloat16)
         mesh = gtp_wrap.make_mesh(gtp=1, tp=world, device_type=device.type)
-        parallelize_module(model, mesh["tp"], _tp_plan(cfg.layers))
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence=True))
         data_ranks, rank = 1, 0
     batch = tokens // seq
     g = torch.Generator().manual_seed(rank)

@@ -22,19 +22,16 @@ from harness import cached_ranks, caught, run_ranks
 from models import tiny_llama_config
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
 import gtp_wrap
 from gtp_wrap import GTPWrap, checkpoint
-from gtp_wrap.app.model import GPT, GPTConfig
+from gtp_wrap.app.model import GPT, GPTConfig, tensor_parallel_plan
 from gtp_wrap.app.train import CONFIG_DIR
 from gtp_wrap.config.policy import LayerRule, resolve_policy
 from gtp_wrap.runtime.engine import is_wrapped
@@ -50,46 +47,6 @@ NO_FINAL_NORM_RULE = {
     "min_shard_numel": 0,
 }
 CFG_ODD = GPTConfig(vocab=64, d=32, layers=1, heads=4, ffn=43, max_seq=16)
-
-
-def tp_plan(model: GPT, sequence: bool = False) -> dict[str, Any]:
-    """Llama-style TP of the blocks: attention and MLP column-then-row; with `sequence`, the
-    norms sequence-parallel and the residual stream split over the sequence between them."""
-    plan: dict[str, Any] = {}
-    for i in range(len(model.blocks)):
-        b = f"blocks.{i}"
-        plan |= {
-            f"{b}.attn.qkv": ColwiseParallel(),
-            f"{b}.attn.o": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
-            f"{b}.mlp.gate": ColwiseParallel(),
-            f"{b}.mlp.up": ColwiseParallel(),
-            f"{b}.mlp.down": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
-        }
-        if sequence:
-            plan |= {
-                f"{b}.attn_norm": SequenceParallel(),
-                f"{b}.mlp_norm": SequenceParallel(),
-                f"{b}.attn": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
-                ),
-                f"{b}.mlp": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-            }
-    if sequence:  # the stream enters split over the sequence and leaves whole
-        plan |= {
-            "embed": PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Shard(1)
-            ),
-            "norm": SequenceParallel(),
-            "head": PrepareModuleInput(
-                input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
-                use_local_output=True,  # the head is GTP's alone
-            ),
-        }
-    return plan
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -116,7 +73,7 @@ def _train(
     torch.manual_seed(0)
     ref = GPT(CFG)
     if sequence is not None:
-        parallelize_module(model, mesh["tp"], tp_plan(model, sequence))
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence))
     GTPWrap(model, policy, mesh=mesh)
     data = mesh.get_local_rank("gtp") + (
         2 * mesh.get_local_rank("dp") if "dp" in mesh.mesh_dim_names else 0
@@ -168,7 +125,7 @@ def _cases(rank: int, world: int) -> dict:
     # The state dict's round trip: the trained weights into a fresh TP + GTP model.
     torch.manual_seed(1)
     fresh = GPT(CFG)
-    parallelize_module(fresh, mesh["tp"], tp_plan(fresh))
+    parallelize_module(fresh, mesh["tp"], tensor_parallel_plan(fresh))
     GTPWrap(fresh, POLICY, mesh=mesh)
     gtp_wrap.load_full_state_dict(fresh, gtp_wrap.full_state_dict(trained))
     with torch.no_grad():
@@ -251,7 +208,7 @@ def _failed_wrap_restores(mesh: Any) -> str:
     """A wrap that fails after taking the TP plan's DTensors apart gives them back: the same
     model then wraps."""
     model = GPT(CFG)
-    parallelize_module(model, mesh["tp"], tp_plan(model))
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
     bad = {"rules": [{"match": "nothing.here", "strict": True}, {"match": "Linear"}]}
     first = caught(lambda: GTPWrap(model, bad, mesh=mesh))
     dtensors = isinstance(model.blocks[0].attn.qkv.weight, DTensor)
@@ -422,7 +379,7 @@ def _trained_with_state(mesh: Any, tp: bool) -> tuple[GPT, torch.optim.Optimizer
     torch.manual_seed(0)
     model = GPT(CFG)
     if tp:
-        parallelize_module(model, mesh["tp"], tp_plan(model, sequence=True))
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence=True))
     GTPWrap(model, POLICY, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, opt

@@ -10,6 +10,15 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,3 +248,46 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.head(self.norm(x))
+
+
+def tensor_parallel_plan(model: GPT, sequence: bool = False) -> dict[str, ParallelStyle]:
+    """torch's tensor parallelism for the dense GPT by hand, for `parallelize_module(model,
+    mesh["tp"], plan)` before GTPWrap (configs/policy/tp.yaml's rules apply the same with
+    `sequence`): attention and MLP column-then-row (each tp rank keeps whole heads); with
+    `sequence`, the norms sequence-parallel and the residual stream split over the sequence
+    between the embedding and the head."""
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(len(model.blocks)):
+        b = f"blocks.{i}"
+        plan |= {
+            f"{b}.attn.qkv": ColwiseParallel(),
+            f"{b}.attn.o": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
+            f"{b}.mlp.gate": ColwiseParallel(),
+            f"{b}.mlp.up": ColwiseParallel(),
+            f"{b}.mlp.down": RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate()),
+        }
+        if sequence:
+            plan |= {
+                f"{b}.attn_norm": SequenceParallel(),
+                f"{b}.mlp_norm": SequenceParallel(),
+                f"{b}.attn": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                ),
+                f"{b}.mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+    if sequence:  # the stream enters split over the sequence and leaves whole
+        plan |= {
+            "embed": PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1)
+            ),
+            "norm": SequenceParallel(),
+            "head": PrepareModuleInput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,  # the head is GTP's alone
+            ),
+        }
+    return plan
