@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config.plan import plan_parameters, plan_tensor_parallel
+from .compilation import gather_per_block
+from .config.plan import blocks_on_gathered_weights, plan_parameters, plan_tensor_parallel
 from .config.policy import PolicySpec, resolve_policy
 from .core.parameter import GTPParameter
 from .core.tensor_parallel import apply_tp_plan, take_tp_layouts
@@ -84,6 +85,9 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
         raise
     install_state_dict_hooks(module, engine)
     attach(module, engine)
+    blocks = blocks_on_gathered_weights(module, resolved)
+    if blocks:
+        gather_per_block(module, blocks)
     return module
 
 

@@ -23,7 +23,8 @@ from gtp_wrap.config.policy import resolve_policy
 CFG = GPTConfig(vocab=64, d=32, layers=2, heads=4, ffn=48, max_seq=16, experts=4, top_k=2,
                 moe_ffn=16, shared_expert=True)  # fmt: skip
 MOE_YAML = Path(__file__).parents[1] / "configs" / "policy" / "moe.yaml"
-POLICY = {"rules": resolve_policy(MOE_YAML).rules, "min_shard_numel": 0}
+MOE = resolve_policy(MOE_YAML)
+POLICY = {"rules": MOE.rules, "gather_per_block": MOE.gather_per_block, "min_shard_numel": 0}
 
 
 def _per_token(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -269,8 +270,7 @@ def _routed_loops(rank: int, world: int) -> dict:
     model = MixtralForCausalLM(_mixtral_config())
     torch.manual_seed(0)
     ref = MixtralForCausalLM(_mixtral_config())
-    GTPWrap(model, POLICY | {"collective_timeout_s": 60})
-    gtp_wrap.gather_per_block(model, blocks="MixtralSparseMoeBlock")
+    GTPWrap(model, POLICY | {"collective_timeout_s": 60})  # moe.yaml: per block on the MoEs
     on_model, on_ref = [rank == 0], [False]
     _skew_mixtral(model, on_model)
     _skew_mixtral(ref, on_ref)
@@ -303,3 +303,12 @@ def test_expert_loops_that_skip_experts_train_exactly_per_block(kind: str) -> No
     backward (see [Note: a block's weights come back together]): no hang, exact weights."""
     for r in cached_ranks(_routed_loops, 2):
         assert r[kind] < 1e-5, r
+
+
+def test_gather_per_block_in_the_policy() -> None:
+    """A policy's gather_per_block: checked when made, and a warning when it names no module
+    of the model."""
+    with pytest.raises(gtp_wrap.PolicyError, match="gather_per_block must be a list"):
+        gtp_wrap.GTPPolicy(gather_per_block="MoE")  # type: ignore[arg-type]
+    with pytest.warns(gtp_wrap.PolicyWarning, match=r"gather_per_block \['Nothing'\] matched no"):
+        GTPWrap(GPT(CFG), {"gather_per_block": ["Nothing"], "min_shard_numel": 0})

@@ -288,6 +288,25 @@ def plan_tensor_parallel(module: nn.Module, policy: GTPPolicy) -> dict[str, TPSt
     return plan
 
 
+def blocks_on_gathered_weights(module: nn.Module, policy: GTPPolicy) -> list[nn.Module]:
+    """The modules `policy.gather_per_block` names (class names, FQNs, globs); a PolicyWarning
+    when it names some and none matches."""
+    names = policy.gather_per_block
+    found = [
+        mod
+        for fqn, mod in module.named_modules()
+        if fqn and any(_module_matches(LayerRule(match=n), None, fqn, mod) for n in names)
+    ]
+    if names and not found:
+        warnings.warn(
+            f"gather_per_block {list(names)} matched no module of {type(module).__name__}; "
+            "check the class names or FQN globs",
+            PolicyWarning,
+            stacklevel=3,
+        )
+    return found
+
+
 def _module_matches(rule: LayerRule, rule_class: type | None, fqn: str, mod: nn.Module) -> bool:
     if rule.is_fqn_glob:
         return fnmatch.fnmatchcase(fqn, rule.match)

@@ -183,6 +183,11 @@ class GTPPolicy:
             LayerNorm, GroupNorm and RMSNorm follow param_dtype either way.
         strict: a rule that matches no parameter raises PolicyError instead of a PolicyWarning
             (as `LayerRule(strict=True)` does for one rule).
+        gather_per_block: modules (class names, module FQNs or globs over them) that run on
+            their weights gathered once per call, as `gtp_wrap.gather_per_block` makes them:
+            for code whose set of weights used depends on the data (a mixture of experts that
+            runs only the experts that got tokens), which per-use gathers cannot follow
+            across ranks. Names that match no module are skipped (a warning if none matches).
     """
 
     rules: tuple[LayerRule, ...] = DEFAULT_RULES
@@ -200,6 +205,7 @@ class GTPPolicy:
     collectives: Collectives = "process_group"
     norm_in_fp32: bool = True
     strict: bool = False
+    gather_per_block: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -241,6 +247,13 @@ class GTPPolicy:
             )
         rules = tuple(_coerce_rule(r) for r in self.rules)
         object.__setattr__(self, "rules", rules)
+        blocks = self.gather_per_block
+        if isinstance(blocks, str) or not all(isinstance(b, str) and b for b in blocks):
+            raise PolicyError(
+                f"gather_per_block must be a list of class names or module FQNs (globs), got "
+                f"{blocks!r}"
+            )
+        object.__setattr__(self, "gather_per_block", tuple(blocks))
         if self.min_shard_numel < 0:
             raise PolicyError(f"min_shard_numel must be >= 0, got {self.min_shard_numel}")
         if self.prefetch_depth < 0:

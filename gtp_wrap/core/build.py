@@ -38,7 +38,7 @@ from .weight import CastWeight, Runtime, ShardedWeight
 # ranks that differ in one would pair unrelated collectives.
 AGREED_FIELDS = (
     "prefetch_depth", "group_numel", "loss_reduction", "param_dtype", "reduce_dtype",
-    "gather_dtype", "fp8_matmul", "collectives", "norm_in_fp32",
+    "gather_dtype", "fp8_matmul", "collectives", "norm_in_fp32", "gather_per_block",
 )  # fmt: skip
 
 # The parameters wrapping replaced (by id): an optimizer built before GTPWrap holds these, gets
