@@ -217,17 +217,28 @@ class _LoopNet(nn.Module):
         return self.out(self.moe(self.inp(x)))
 
 
-def _mixtral_config():  # -> transformers.MixtralConfig, its experts looped in Python
-    from transformers import MixtralConfig
+def _hf_moe(kind: str):  # -> a small random HF MoE for causal LM, its experts looped in Python
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+    )
 
-    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2)  # fmt: skip
+    if kind == "mixtral":
+        config = MixtralConfig(intermediate_size=64, num_local_experts=4, **common)
+        cls = MixtralForCausalLM
+    else:  # a shared expert beside the routed ones
+        config = Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                                shared_expert_intermediate_size=32, **common)  # fmt: skip
+        cls = Qwen2MoeForCausalLM
     config._experts_implementation = "eager"  # a loop over the experts that got tokens
-    return config
+    return cls(config)
 
 
-def _skew_mixtral(model: nn.Module, on: list[bool]) -> None:
+def _skew_router(model: nn.Module, on: list[bool]) -> None:
     """While on[0], every router sends all tokens to experts 0 and 1."""
     for layer in model.model.layers:
         gate = layer.mlp.gate
@@ -248,8 +259,6 @@ def _routed_loops(rank: int, world: int) -> dict:
     """Per-block gathers (gather_per_block on the MoE layers) of models whose expert loops skip
     experts without tokens, with rank 0 routing to two experts and rank 1 as its router says:
     the largest weight difference from the unwrapped model after 3 SGD steps."""
-    from transformers import MixtralForCausalLM
-
     out = {}
     torch.manual_seed(0)
     model, ref = _LoopNet(), _LoopNet()
@@ -266,22 +275,23 @@ def _routed_loops(rank: int, world: int) -> dict:
 
     out["module_list"] = _train_sgd(model, ref, lambda m, r: loop_loss(m, r), rank, world)
 
-    torch.manual_seed(0)
-    model = MixtralForCausalLM(_mixtral_config())
-    torch.manual_seed(0)
-    ref = MixtralForCausalLM(_mixtral_config())
-    GTPWrap(model, POLICY | {"collective_timeout_s": 60})  # moe.yaml: per block on the MoEs
-    on_model, on_ref = [rank == 0], [False]
-    _skew_mixtral(model, on_model)
-    _skew_mixtral(ref, on_ref)
     idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+    for kind in ("mixtral", "qwen2_moe"):
+        torch.manual_seed(0)
+        model = _hf_moe(kind)
+        torch.manual_seed(0)
+        ref = _hf_moe(kind)
+        GTPWrap(model, POLICY | {"collective_timeout_s": 60})  # moe.yaml: MoE layers per block
+        on_ref = [False]
+        _skew_router(model, [rank == 0])
+        _skew_router(ref, on_ref)
 
-    def hf_loss(m: nn.Module, r: int) -> torch.Tensor:
-        on_ref[0] = r == 0
-        logits = m(input_ids=idx[r * 2 : r * 2 + 2, :-1]).logits
-        return F.cross_entropy(logits.flatten(0, 1), idx[r * 2 : r * 2 + 2, 1:].flatten())
+        def hf_loss(m: nn.Module, r: int, on_ref: list[bool] = on_ref) -> torch.Tensor:
+            on_ref[0] = r == 0
+            logits = m(input_ids=idx[r * 2 : r * 2 + 2, :-1]).logits
+            return F.cross_entropy(logits.flatten(0, 1), idx[r * 2 : r * 2 + 2, 1:].flatten())
 
-    out["mixtral"] = _train_sgd(model, ref, hf_loss, rank, world)
+        out[kind] = _train_sgd(model, ref, hf_loss, rank, world)
     return out
 
 
@@ -297,7 +307,7 @@ def _train_sgd(model: nn.Module, ref: nn.Module, loss, rank: int, world: int) ->
     return max((full[k] - v).abs().max().item() for k, v in want.items())
 
 
-@pytest.mark.parametrize("kind", ["module_list", "mixtral"])
+@pytest.mark.parametrize("kind", ["module_list", "mixtral", "qwen2_moe"])
 def test_expert_loops_that_skip_experts_train_exactly_per_block(kind: str) -> None:
     """The experts one rank's tokens skip are still gathered with the block, in forward and
     backward (see [Note: a block's weights come back together]): no hang, exact weights."""
