@@ -98,6 +98,13 @@ def test_moe_training_reports_tokens_per_expert(tmp_path: Path) -> None:
     # 4 blocks x 8 experts; per block: 3 steps x 2 ranks x 4 sequences x 32 tokens x top 2.
     assert len(tokens) == 4 and all(len(row) == 8 for row in tokens)
     assert all(sum(row) == 3 * 2 * 4 * 32 * 2 for row in tokens)
+    # Compiled, each transformer block takes over the policy's MoE layer inside it.
+    compiled = _train("model=moe_tiny", "policy=moe", "trainer.steps=3", "trainer.compile=true",
+                      f"out_dir={tmp_path / 'compiled'}")  # fmt: skip
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    want = _metrics(tmp_path)["history"]["loss"]
+    got = _metrics(tmp_path / "compiled")["history"]["loss"]
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 def _options(group: str) -> list[str]:

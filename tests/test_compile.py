@@ -183,7 +183,11 @@ def _misuse() -> dict:
     alone = caught(lambda: model.blocks[0].fc(torch.randn(2, 32)))
     nested = GTPWrap(TinyGPT(), POLICY)
     gtp_wrap.gather_per_block(nested, blocks=[nested.blocks[0].fc])
-    return {"alone": alone, "nested": caught(lambda: gtp_wrap.gather_per_block(nested))}
+    inner = caught(lambda: gtp_wrap.gather_per_block(nested, blocks=[nested.blocks[0].fc]))
+    # A block around one already on gathered weights takes it over.
+    outer = caught(lambda: gtp_wrap.gather_per_block(nested))
+    released = "forward" not in vars(nested.blocks[0].fc)
+    return {"alone": alone, "inner": inner, "outer": f"{outer} | released: {released}"}
 
 
 def _cases(rank: int, world: int) -> dict:
@@ -281,7 +285,8 @@ def test_misuse_of_blocks_is_refused_naming_the_fix() -> None:
         misuse = rank["misuse"]
         assert misuse["alone"].startswith("WrapError: linear used 'blocks.0.fc.weight' outside")
         assert "call the block, or the model" in misuse["alone"]
-        assert "runs on gathered weights already" in misuse["nested"]
+        assert "runs on gathered weights already" in misuse["inner"]
+        assert misuse["outer"] == "no error | released: True"
 
 
 def test_readme_snippet_trains_as_eager() -> None:

@@ -4,6 +4,7 @@ model when the ranks route their tokens to different experts."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -274,6 +275,14 @@ def _routed_loops(rank: int, world: int) -> dict:
         return m(x[r * 4 : r * 4 + 4]).square().mean()
 
     out["module_list"] = _train_sgd(model, ref, lambda m, r: loop_loss(m, r), rank, world)
+    # Twice through one graph (retain_graph): each backward gathers the block once again.
+    loss = loop_loss(model, rank)
+    counts = []
+    for retain in (True, False):
+        gtp_wrap.reset_stats(model)
+        loss.backward(retain_graph=retain)
+        counts.append(gtp_wrap.stats(model)["gathers"])
+    out["retain"] = counts
 
     idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
     for kind in ("mixtral", "qwen2_moe"):
@@ -305,6 +314,22 @@ def _train_sgd(model: nn.Module, ref: nn.Module, loss, rank: int, world: int) ->
             o.zero_grad()
     full, want = gtp_wrap.full_state_dict(model), ref.state_dict()
     return max((full[k] - v).abs().max().item() for k, v in want.items())
+
+
+def test_each_backward_through_a_retained_graph_gathers_a_block_once() -> None:
+    """retain_graph: the second backward gathers what the first did, on both ranks, though
+    their blocks saved views of different experts."""
+    counts = [r["retain"] for r in cached_ranks(_routed_loops, 2)]
+    assert counts[0] == counts[1] and counts[0][0] == counts[0][1] > 0, counts
+
+
+def test_a_single_expert_keeps_the_router_learning() -> None:
+    """top_k=1: the chosen expert is weighted by its router probability (not renormalized to
+    1), so the main loss reaches the router."""
+    torch.manual_seed(0)
+    moe = MoE(dataclasses.replace(CFG, top_k=1, aux_loss_coef=0.0))
+    moe(torch.randn(2, 5, CFG.d)).square().sum().backward()
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("kind", ["module_list", "mixtral", "qwen2_moe"])

@@ -161,7 +161,8 @@ def _loop_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tenso
 class MoE(nn.Module):
     """Top-k routed experts (and an optional shared expert) with a load-balancing loss.
 
-    The router's softmax picks `top_k` experts per token, their weights renormalized; tokens
+    The router's softmax picks `top_k` experts per token, their weights renormalized (with one
+    expert, as in the Switch Transformer, its probability itself); tokens
     are sorted by expert, run through the stacked experts, and summed back weighted. The
     Switch Transformer's load-balancing loss, `experts · Σ_e f_e · P_e` (f: the share of
     routed slots, P: the mean router probability of expert e), is kept in `aux_loss` for the
@@ -180,7 +181,9 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         probs = self.router(flat).float().softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.top_k > 1:  # renormalized among the chosen; one expert keeps its probability,
+            weights = weights / weights.sum(dim=-1, keepdim=True)  # else the router learns nothing
+        weights = weights.to(x.dtype)
         order = chosen.flatten().argsort(stable=True)  # the token slots, sorted by expert
         counts = torch.bincount(chosen.flatten(), minlength=self.n)
         tokens = order // self.top_k

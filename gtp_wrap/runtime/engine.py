@@ -183,9 +183,14 @@ class GTPEngine:
         weights gathered once per call (see [Note: blocks on gathered weights]); the block
         becomes the owner of the weights inside it."""
         inside = {id(m) for m in block.modules()}
-        for taken in self._gathered_blocks:  # the block itself, one inside it or around it
-            if id(taken) in inside or any(m is block for m in taken.modules()):
-                raise WrapError(
+        for taken in list(self._gathered_blocks):
+            if taken is not block and id(taken) in inside:
+                # One inside it (a policy's MoE layer inside a transformer block that is now
+                # compiled): the outer block gathers its weights from now on.
+                del taken.forward  # its class's forward again
+                self._gathered_blocks.remove(taken)
+            elif id(taken) in inside or any(m is block for m in taken.modules()):
+                raise WrapError(  # the block itself, or one around it
                     f"'{self.owners.name(taken)}' runs on gathered weights already "
                     "(gtp_wrap.compile or gtp_wrap.gather_per_block was applied to it): apply "
                     "one of them once, to the blocks alone"
@@ -262,6 +267,7 @@ class GTPEngine:
     def _end_pass(self, failed: bool = False) -> None:
         """Close the current pass: drain its gathers, and record its chain unless it failed."""
         state = self.passes.pop()
+        self.gatherer.release_block_calls()
         if failed:
             with contextlib.suppress(Exception):
                 self.gatherer.drain(state)

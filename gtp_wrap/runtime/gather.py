@@ -45,19 +45,24 @@ class BlockCall:
     autograd saves views of its weights can depend on the data: a mixture of experts saves a
     view for each expert that got tokens, and which those are differs between ranks. Gathering
     each saved view on its own in backward would then issue different gathers on different
-    ranks. So the first view of the block unpacked in backward gathers all of the block's
-    weights, in the block's order, whichever it saved, and every later view is a view of
-    those; they are held until the last view saved in forward is unpacked. Every rank then
-    issues the same gathers, as FSDP2 does per block, as long as each rank's call saved some
-    view of its weights (a block on an empty batch on one rank would not: its peers' gathers
-    would find no partner). What a checkpoint inside the block saves goes to the checkpoint,
-    which recomputes from the weights the block holds, and is never gathered again.
+    ranks. So the first view of the block unpacked in a backward gathers all of the block's
+    weights, in the block's order, whichever it saved, and every later view in that backward is
+    a view of those; they are held until as many views as forward saved are unpacked, or the
+    backward ends. A second backward through the same graph (retain_graph) gathers them once
+    again. Every rank then issues the same gathers, as FSDP2 does per block, as long as each
+    rank's call saved some view of its weights. Two cases break that, and need the block's
+    code to agree across ranks: a block on an empty batch on one rank (it saves nothing, its
+    peers' gathers find no partner), and a checkpoint inside the block (its recompute in
+    backward reads the parameters through per-use gathers, one per weight it touches: put the
+    checkpoint around the whole block instead).
     """
 
     weights: list[ShardedWeight]
     position: dict[int, int]  # weight index -> its place in `weights`
-    saved: int = 0  # views saved in forward and not yet unpacked
+    saved: int = 0  # views forward saved
     fulls: list[torch.Tensor] | None = None  # the weights gathered again, while views remain
+    task: int = -1  # the backward (autograd graph task) that gathered `fulls`
+    unpacked: int = 0  # views unpacked in that backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +109,7 @@ class Gatherer(Part):
         self.graphed = GatherBufferPool(self.device, gtp.rank, gtp.size)
         self.pool = self.eager
         self.block_call: BlockCall | None = None  # the block whose forward runs now, if any
+        self._held: list[BlockCall] = []  # block calls holding weights gathered in backward
 
     def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
         """The logical full weight of `w`, gathered for one use of the current pass (with
@@ -218,12 +224,15 @@ class Gatherer(Part):
             )  # fmt: skip
         if type(saved) is SavedBlockView:
             call = saved.call
-            if call.fulls is None:
+            task = torch._C._current_graph_task_id()
+            if call.fulls is None or call.task != task:
                 self.ensure_backward()
                 call.fulls = [self.gather(w) for w in call.weights]
+                call.task, call.unpacked = task, 0
+                self._held.append(call)
             full = call.fulls[saved.place]
-            call.saved -= 1
-            if call.saved <= 0:
+            call.unpacked += 1
+            if call.unpacked >= call.saved:
                 call.fulls = None  # the last view: the buffers go back with the views
             return full.as_strided(saved.size, saved.stride, saved.storage_offset)
         if not isinstance(saved, SavedWeightView):
@@ -231,6 +240,13 @@ class Gatherer(Part):
         self.ensure_backward()
         full = self.gather(saved.weight)
         return full.as_strided(saved.size, saved.stride, saved.storage_offset)
+
+    def release_block_calls(self) -> None:
+        """At the end of a pass: drop what block calls still hold of their weights (views that
+        this backward did not unpack, as with backward(inputs=...))."""
+        for call in self._held:
+            call.fulls = None
+        self._held.clear()
 
     def total_bytes(self) -> int:
         """Memory held by the gather buffers of the model and of its graphed regions."""
