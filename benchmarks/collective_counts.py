@@ -93,7 +93,7 @@ def measure(method: str, cfg: GPTConfig, tokens: int, seq: int, device: torch.de
         fully_shard(model, mp_policy=mp)
     else:
         model.to(torch.bfloat16)
-        mesh = gtp_wrap.make_mesh(gtp=1, tp=world, device_type=device.type)
+        mesh, _ = gtp_wrap.make_mesh(gtp=1, tp=world, device_type=device.type)
         parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence=True))
         data_ranks, rank = 1, 0
     batch = tokens // seq

@@ -15,10 +15,10 @@ from .compilation import gather_per_block
 from .config.plan import blocks_on_gathered_weights, plan_parameters, plan_tensor_parallel
 from .config.policy import PolicySpec, resolve_policy
 from .core.parameter import GTPParameter
-from .core.tensor_parallel import apply_tp_plan, take_tp_layouts
 from .errors import WrapError
 from .io.state_dict import install_state_dict_hooks
 from .mesh import resolve_mesh
+from .parallel.tensor import apply_tp_plan, take_tp_layouts
 from .runtime.engine import GTPEngine, attach, engine_of, is_wrapped
 
 

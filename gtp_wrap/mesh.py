@@ -6,7 +6,7 @@ links). Each role is a `MeshAxis`: sharded weights are gathered and their gradie
 reduce-scattered over `gtp`, those gradients are then averaged over `dp` (the replicate axis),
 and replicated parameters are all-reduced over `data`, the dp x gtp ranks that each read a
 batch of their own. The ranks of one `tp` group read the same batch and split the layers'
-compute, as torch's tensor parallelism does (core/tensor_parallel.py). This is the one place
+compute, as torch's tensor parallelism does (parallel/tensor.py). This is the one place
 that knows the dims' names; the engine and the state dicts ask it for groups and DTensor
 placements.
 """
@@ -28,6 +28,7 @@ from .errors import WrapError
 DP, GTP, TP = "dp", "gtp", "tp"
 MESH_DIMS = (DP, GTP, TP)  # outermost first
 DP_GTP = (DP, GTP)  # the 2-D mesh of data parallelism over GTP groups
+EXPERT_DIMS = ("edp", "ep", "egtp")  # the expert factorization of the same world
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,34 +74,49 @@ class GTPMesh:
 
 
 def make_mesh(
-    dp: int = 1, gtp: int = -1, tp: int = 1, device_type: str | None = None
-) -> DeviceMesh:
-    """A DeviceMesh over the whole world for GTPWrap, with dims ("dp", "gtp", "tp") as given:
+    dp: int = 1,
+    gtp: int = -1,
+    tp: int = 1,
+    ep: int = 1,
+    egtp: int = 1,
+    device_type: str | None = None,
+) -> tuple[DeviceMesh, DeviceMesh]:
+    """`(mesh, expert_mesh)` over the whole world. `mesh` has dims ("dp", "gtp", "tp") as given:
     each size a whole number, or -1 (one of them at most) for what the others leave of the
-    world. Dims of size 1 other than "gtp" are left out. `device_type`: "cuda" where a GPU is
-    present, else "cpu", by default."""
+    world; dims of size 1 other than "gtp" are left out. `expert_mesh` factors the same world
+    for expert weights as ("edp", "ep", "egtp"), edp being what ep x egtp leave (GTPWrap does
+    not take it yet: expert stacks shard over gtp like any weight). `device_type`: "cuda" where
+    a GPU is present, else "cpu", by default."""
     if not dist.is_initialized():
         raise WrapError("make_mesh needs torch.distributed: call dist.init_process_group() first")
     world = dist.get_world_size()
+    call = f"make_mesh(dp={dp}, gtp={gtp}, tp={tp}, ep={ep}, egtp={egtp})"
     sizes = {DP: dp, GTP: gtp, TP: tp}
     rest = [name for name, size in sizes.items() if size == -1]
-    if len(rest) > 1 or any(size < 1 and size != -1 for size in sizes.values()):
+    if (
+        len(rest) > 1
+        or any(size < 1 and size != -1 for size in sizes.values())
+        or ep < 1
+        or egtp < 1
+    ):
         raise WrapError(
-            f"make_mesh(dp={dp}, gtp={gtp}, tp={tp}): give each size as a whole number >= 1, "
-            "or -1 for one of them (what the others leave of the world)"
+            f"{call}: give each size as a whole number >= 1, or -1 for one of dp, gtp and tp "
+            "(what the others leave of the world)"
         )
     known = math.prod(size for size in sizes.values() if size != -1)
     if rest:
         sizes[rest[0]] = world // known if world % known == 0 else 0
-    if math.prod(sizes.values()) != world:
+    if math.prod(sizes.values()) != world or world % (ep * egtp):
         raise WrapError(
-            f"make_mesh(dp={dp}, gtp={gtp}, tp={tp}) does not fill the world of {world} ranks: "
-            "dp x gtp x tp must equal the world size"
+            f"{call} does not fill the world of {world} ranks: dp x gtp x tp must equal the "
+            "world size, and ep x egtp divide it"
         )
     names = tuple(name for name in MESH_DIMS if name == GTP or sizes[name] > 1)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    experts = (world // (ep * egtp), ep, egtp)
+    return mesh, init_device_mesh(device_type, experts, mesh_dim_names=EXPERT_DIMS)
 
 
 def _axis(mesh: DeviceMesh, name: str) -> MeshAxis:

@@ -110,7 +110,7 @@ def _train(
 
 
 def _cases(rank: int, world: int) -> dict:
-    mesh = gtp_wrap.make_mesh(gtp=2, tp=2, device_type="cpu")
+    mesh, _ = gtp_wrap.make_mesh(gtp=2, tp=2, device_type="cpu")
     out: dict[str, Any] = {}
     for name, sequence in (("tp", False), ("sp", True)):
         r = _train(mesh, sequence, POLICY, clip=None if sequence else 0.05)
@@ -308,8 +308,9 @@ def test_bad_tp_rules_are_refused(fields: dict, message: str) -> None:
 
 
 def _three_dims(rank: int, world: int) -> dict:
-    mesh = gtp_wrap.make_mesh(dp=2, gtp=2, tp=2, device_type="cpu")
+    mesh, experts = gtp_wrap.make_mesh(dp=2, gtp=2, tp=2, ep=2, egtp=2, device_type="cpu")
     assert mesh.mesh_dim_names == ("dp", "gtp", "tp")
+    assert experts.mesh_dim_names == ("edp", "ep", "egtp") and tuple(experts.shape) == (2, 2, 2)
     out: dict[str, Any] = {"plan": _train(mesh, False, POLICY)["diff"]}
     for norm_type in (2.0, float("inf")):  # the tp policy: sequence-parallel norms too
         r = _train(mesh, None, TP_POLICY, clip=0.05, norm_type=norm_type)
@@ -390,7 +391,7 @@ def _checkpoints(rank: int, world: int) -> dict:
     at gtp4, at dp2 x gtp1 x tp2, into the unwrapped model, and back through
     torch.distributed.checkpoint: every weight and optimizer state, bitwise."""
     root = Path(tempfile.gettempdir()) / f"gtp_tp_ckpt_{os.getppid()}"
-    mesh = gtp_wrap.make_mesh(gtp=2, tp=2, device_type="cpu")
+    mesh, _ = gtp_wrap.make_mesh(gtp=2, tp=2, device_type="cpu")
     model, opt = _trained_with_state(mesh, tp=True)
     data = mesh.get_local_rank("gtp")
     for step in range(2):
@@ -414,10 +415,10 @@ def _checkpoints(rank: int, world: int) -> dict:
         return ok
 
     out = {"written_once": len(written) == len(set(written))}
-    gtp4, gtp4_opt = _trained_with_state(gtp_wrap.make_mesh(gtp=4, device_type="cpu"), tp=False)
+    gtp4, gtp4_opt = _trained_with_state(gtp_wrap.make_mesh(gtp=4, device_type="cpu")[0], tp=False)
     checkpoint.load(saved, gtp4, gtp4_opt)
     out["gtp4"] = same(gtp4, gtp4_opt)
-    mesh3 = gtp_wrap.make_mesh(dp=2, gtp=1, tp=2, device_type="cpu")
+    mesh3, _ = gtp_wrap.make_mesh(dp=2, gtp=1, tp=2, device_type="cpu")
     tp2, tp2_opt = _trained_with_state(mesh3, tp=True)
     checkpoint.load(saved, tp2, tp2_opt)
     out["tp2"] = same(tp2, tp2_opt)
@@ -446,7 +447,7 @@ def test_checkpoint_saved_at_gtp2_tp2_loads_bitwise(into: str) -> None:
 def _blocks(rank: int, world: int) -> dict[str, float]:
     """gather_per_block and gtp_wrap.compile over the tp policy (sequence parallelism too):
     the largest weight difference from the unwrapped model after 3 SGD steps."""
-    mesh = gtp_wrap.make_mesh(gtp=2, tp=2, device_type="cpu")
+    mesh, _ = gtp_wrap.make_mesh(gtp=2, tp=2, device_type="cpu")
     out = {}
     for mode in ("blocks", "compile"):
         torch.manual_seed(0)

@@ -27,11 +27,11 @@ from ..config.policy import GTPPolicy
 from ..errors import WrapError
 from ..geometry import lay_out
 from ..mesh import GTPMesh
+from ..parallel.tensor import TPLayout
 from ..precision import fp8
 from ..precision.encoding import FP8Packing, Precision, make_encodings
 from .parameter import make_gtp_parameter, register_with_optimizers
 from .storage import FlatStorage
-from .tensor_parallel import TPLayout
 from .weight import CastWeight, Runtime, ShardedWeight
 
 # Policy fields that decide which collectives a step issues, in what order and on what dtypes:
@@ -144,7 +144,7 @@ def build(
     layouts: dict[int, TPLayout],
 ) -> Built:
     """Shard the planned weights of `root` in place (see the module docstring); `layouts`:
-    the tensor-parallel layouts of parameters that were DTensors (core/tensor_parallel.py)."""
+    the tensor-parallel layouts of parameters that were DTensors (parallel/tensor.py)."""
     sharded = [p for p in plans if p.shard_dim is not None]
     geometries, numels = lay_out(
         [(p.param.shape, p.shard_dim, p.param.dtype) for p in sharded],  # type: ignore[misc]

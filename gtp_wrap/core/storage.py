@@ -38,6 +38,11 @@ class FlatStorage:
                 else torch.zeros(numel, dtype=cdtype, device=device)
             )
 
+    @property
+    def keeps_copy(self) -> bool:
+        """Whether the shards have a copy in the compute dtype (`compute` is not `params`)."""
+        return any(self.compute[d] is not flat for d, flat in self.params.items())
+
     def refresh(self) -> int:
         """Re-cast the compute copies whose shards changed since the last time; return how
         many flat tensors were re-cast."""

@@ -22,8 +22,8 @@ from ..geometry import ShardGeometry
 
 if TYPE_CHECKING:
     from ..mesh import MeshAxis
+    from ..parallel.tensor import TPLayout
     from ..precision.encoding import Encoding
-    from .tensor_parallel import TPLayout
 
 
 class Runtime(Protocol):

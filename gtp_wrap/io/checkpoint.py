@@ -42,9 +42,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..core.weight import CastWeight, ShardedWeight
 from ..errors import CheckpointError, GTPError
 from ..runtime.engine import engine_of, is_wrapped
-from .state_dict import full_state_dict, to_dtensor, tp_block_to_dtensor
+from .state_dict import full_state_dict, to_dtensor
 
 _NAME = re.compile(r"^(?:step|ckpt)_(\d{6,})$")
 _FORMAT = 1
@@ -58,25 +59,19 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     parameters as DTensors of the logical shape, so it reshards with the model."""
     fqn_of = {id(p): name for name, p in model.named_parameters()}
     engine = engine_of(model) if is_wrapped(model) else None
-    sharded = {id(w.param): w for w in engine.weights} if engine else {}
-    tp_replicated = (
-        {id(c.param): c.tp for c in engine.casts.cast_weights if c.tp is not None} if engine else {}
-    )
+    # Sharded weights, and tensor-parallel blocks that GTP replicates; one process holds whole
+    # weights.
+    managed: dict[int, ShardedWeight | CastWeight] = {}
+    if engine is not None and engine.mesh.device_mesh is not None:
+        managed = {id(w.param): w for w in engine.weights}
+        managed |= {id(c.param): c for c in engine.casts.cast_weights if c.tp is not None}
     out: dict[str, Any] = {}
     for p, state in optimizer.state.items():
         entry = {}
-        w, tp = sharded.get(id(p)), tp_replicated.get(id(p))
+        w = managed.get(id(p))
         for k, v in state.items():
-            per_element = isinstance(v, torch.Tensor) and v.shape == p.shape
-            if (
-                engine
-                and engine.mesh.device_mesh is not None  # one process: the shard is the whole
-                and w is not None
-                and per_element
-            ):
-                v = to_dtensor(engine, w.geometry, v, w.tp)
-            elif engine and tp is not None and per_element:  # a tp block, replicated by GTP
-                v = tp_block_to_dtensor(engine, tp, v)
+            if engine and w is not None and isinstance(v, torch.Tensor) and v.shape == p.shape:
+                v = to_dtensor(engine, w, v)
             entry[k] = v
         out[fqn_of[id(p)]] = entry
     return out

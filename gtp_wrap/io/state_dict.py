@@ -15,37 +15,30 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..core.tensor_parallel import TPLayout
 from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
-from ..geometry import ShardGeometry
 from ..runtime.engine import GTPEngine
 
 
-def to_dtensor(
-    engine: GTPEngine, lay: ShardGeometry, local: torch.Tensor, tp: TPLayout | None = None
-) -> DTensor:
-    """A local block of a sharded weight (or of its optimizer state) as a DTensor of the logical,
-    unpadded shape; `tp`: the weight's tensor-parallel layout, whose local tensor GTP shards."""
-    shape = lay.shape if tp is None else tp.shape
+def to_dtensor(engine: GTPEngine, w: ShardedWeight | CastWeight, local: torch.Tensor) -> DTensor:
+    """This rank's part of a managed weight (or of its optimizer state) as a DTensor of the
+    logical, unpadded shape over the whole mesh: a sharded weight's rows over gtp (of its tp
+    block, where tensor parallelism split it), or a tensor-parallel block GTP replicates (split
+    over tp only, so one rank of each tp block writes it to a checkpoint)."""
+    tp = w.tp
+    if type(w) is ShardedWeight:
+        dim, shape = w.geometry.dim, w.geometry.shape if tp is None else tp.shape
+    else:
+        assert tp is not None  # a replicated weight is a DTensor only beside tensor parallelism
+        dim, shape = None, tp.shape
     return DTensor.from_local(
         local,
         engine.mesh.device_mesh,
-        engine.mesh.placements(lay.dim, None if tp is None else tp.placement),
+        engine.mesh.placements(dim, None if tp is None else tp.placement),
         run_check=False,
         shape=shape,
         stride=torch.empty(shape, device="meta").stride(),
     )
-
-
-def tp_block_to_dtensor(engine: GTPEngine, tp: TPLayout, local: torch.Tensor) -> DTensor:
-    """A tensor-parallel block that GTP replicates (or its optimizer state) as a DTensor over
-    the whole mesh: split over tp as torch's TP split it, replicated over dp and gtp (so one
-    rank of each tp block writes it to a checkpoint)."""
-    return DTensor.from_local(
-        local, engine.mesh.device_mesh, engine.mesh.placements(None, tp.placement),
-        run_check=False, shape=tp.shape, stride=tp.stride,
-    )  # fmt: skip
 
 
 _Managed = ShardedWeight | CastWeight  # a sharded weight, or a tensor-parallel replicated one
@@ -97,11 +90,7 @@ def _to_dtensors(
         if prefix + name in sd:
             with torch._C.DisableTorchFunctionSubclass():
                 local = sd[prefix + name].detach()
-            if type(w) is ShardedWeight:
-                sd[prefix + name] = to_dtensor(engine, w.geometry, local, w.tp)
-            else:
-                assert w.tp is not None  # only tensor-parallel replicated weights have hooks
-                sd[prefix + name] = tp_block_to_dtensor(engine, w.tp, local)
+            sd[prefix + name] = to_dtensor(engine, w, local)
 
 
 def _to_local(

@@ -22,7 +22,7 @@ that opens a pass when it is called on its own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 import torch
@@ -30,16 +30,17 @@ from torch import nn
 
 from ..core.parameter import GTPParameter
 from ..errors import WrapError
+from .gather import BlockMembers
 
 
 class BlockRuntime(Protocol):
     """What a block on gathered weights asks of its engine."""
 
     def gathered(
-        self, params: Sequence[GTPParameter]
+        self, members: BlockMembers
     ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
-        """The weights one use of each of `params` sees, as in an intercepted use, for the
-        time of the block's forward."""
+        """The weights one use of each member sees, as in an intercepted use, for the time of
+        the block's forward."""
         ...
 
 
@@ -47,7 +48,7 @@ class GatheredBlock:
     """The forward of one block: gather its weights, swap them in, run its forward (compiled
     or not), swap the parameters back."""
 
-    __slots__ = ("name", "block", "forward", "params", "slots", "runtime")
+    __slots__ = ("name", "block", "forward", "members", "slots", "runtime")
 
     def __init__(
         self, name: str, block: nn.Module, forward: Callable, runtime: BlockRuntime
@@ -56,7 +57,7 @@ class GatheredBlock:
         self.block = block
         self.forward = forward  # the block class's forward (compiled or not): takes the block
         self.runtime = runtime
-        self.params: list[GTPParameter] = []  # each managed parameter once (tied ones too)
+        params: list[GTPParameter] = []  # each managed parameter once (tied ones too)
         # Every slot that holds one of them: (the module's parameter dict, name, which).
         self.slots: list[tuple[dict[str, Any], str, int]] = []
         index: dict[int, int] = {}
@@ -64,12 +65,13 @@ class GatheredBlock:
             for name, p in module._parameters.items():
                 if type(p) is GTPParameter:
                     if id(p) not in index:
-                        index[id(p)] = len(self.params)
-                        self.params.append(p)
+                        index[id(p)] = len(params)
+                        params.append(p)
                     self.slots.append((module._parameters, name, index[id(p)]))
+        self.members = BlockMembers.of(params)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.runtime.gathered(self.params) as weights:
+        with self.runtime.gathered(self.members) as weights:
             return self._run(weights, args, kwargs)
 
     def _run(self, weights: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
@@ -90,7 +92,7 @@ class GatheredBlock:
             ) from error
         finally:
             for slot, name, which in self.slots:
-                slot[name] = self.params[which]
+                slot[name] = self.members.params[which]
 
 
 def refuse_tracing(where: str) -> NoReturn:

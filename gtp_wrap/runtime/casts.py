@@ -51,14 +51,15 @@ class Casts:
         cast_weights: list[CastWeight],
         sharded: list[nn.Parameter],
         stats: Stats,
-        active: bool,
     ) -> None:
         self.storage = storage
         self.packing = packing
         self.cast_weights = cast_weights
         self._sharded = {id(p) for p in sharded}
         self.stats = stats
-        self.active = active  # whether anything is copied at all (a compute dtype, FP8, TP)
+        # Whether anything is copied at all: a kept compute copy, FP8 slots, replicated weights
+        # read in the compute dtype or as tensor-parallel blocks.
+        self.active = storage.keeps_copy or packing is not None or bool(cast_weights)
         _live.add(self)
 
     def refresh(self) -> None:

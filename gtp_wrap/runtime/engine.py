@@ -32,10 +32,10 @@ from ..comm.watch import Watch
 from ..config.plan import ParameterPlan
 from ..config.policy import GTPPolicy
 from ..core.build import build, check_ranks_agree, install_process_hooks
-from ..core.tensor_parallel import TPLayout
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError, WrapError
 from ..mesh import GTPMesh
+from ..parallel.tensor import TPLayout
 from ..precision.encoding import Precision
 from .blocks import GatheredBlock, refuse_tracing
 from .casts import Casts, install_optimizer_hook
@@ -139,15 +139,8 @@ class GTPEngine:
         )
         self.gatherer = Gatherer(shared, self.precision, policy.prefetch_depth)
         self.reducer = GradReducer(shared, mesh.dp, policy.group_numel, self.reduce_dtype)
-        active = (
-            self.precision.param_dtype is not None
-            or self.precision.fp8
-            or bool(
-                built.cast_weights  # tensor-parallel replicated weights, in any dtype
-            )
-        )
         self.casts = Casts(built.storage, built.packing, built.cast_weights,
-                           [w.param for w in self.weights], self.stats, active)  # fmt: skip
+                           [w.param for w in self.weights], self.stats)  # fmt: skip
         self.replicated = ReplicatedGrads(
             built.replicated, built.replicated_names, self.comm, mesh.data
         )

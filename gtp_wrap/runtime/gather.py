@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ..core.weight import ShardedWeight, describe_group
+from ..core.parameter import GTPParameter
+from ..core.weight import CastWeight, ShardedWeight, describe_group
 from ..precision.encoding import Precision
 from .buffers import GatherBufferPool
 from .chain import Gather, PassKind, PassState
@@ -34,6 +35,27 @@ class SavedWeightView:
     size: torch.Size
     stride: tuple[int, ...]
     storage_offset: int | torch.SymInt
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMembers:
+    """The managed parameters of a block run on gathered weights, each once, in the block's
+    order, and what each call needs of them: fixed when the block is set up, not per call."""
+
+    params: tuple[GTPParameter, ...]
+    weights: tuple[ShardedWeight | CastWeight, ...]
+    dtypes: tuple[torch.dtype, ...]  # the parameters' own (their gradients are cast back to it)
+    sharded: tuple[ShardedWeight, ...]  # what a call gathers again in backward, in order
+    position: dict[int, int]  # a sharded weight's index -> its place in `sharded`
+
+    @classmethod
+    def of(cls, params: list[GTPParameter]) -> BlockMembers:
+        weights = tuple(p.gtp_weight for p in params)
+        sharded = tuple(w for w in weights if isinstance(w, ShardedWeight))
+        with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads, not uses
+            dtypes = tuple(p.dtype for p in params)
+        position = {w.index: i for i, w in enumerate(sharded)}
+        return cls(tuple(params), weights, dtypes, sharded, position)
 
 
 @dataclasses.dataclass
@@ -57,8 +79,7 @@ class BlockCall:
     checkpoint around the whole block instead).
     """
 
-    weights: list[ShardedWeight]
-    position: dict[int, int]  # weight index -> its place in `weights`
+    members: BlockMembers
     saved: int = 0  # views forward saved
     fulls: list[torch.Tensor] | None = None  # the weights gathered again, while views remain
     task: int = -1  # the backward (autograd graph task) that gathered `fulls`
@@ -210,9 +231,9 @@ class Gatherer(Part):
         if buf is None or buf.owner is None:
             return t
         call = self.block_call
-        if call is not None and buf.owner.index in call.position:
+        if call is not None and buf.owner.index in call.members.position:
             call.saved += 1
-            place = call.position[buf.owner.index]
+            place = call.members.position[buf.owner.index]
             return SavedBlockView(call, place, t.size(), t.stride(), t.storage_offset())
         return SavedWeightView(buf.owner, t.size(), t.stride(), t.storage_offset())
 
@@ -227,7 +248,7 @@ class Gatherer(Part):
             task = torch._C._current_graph_task_id()
             if call.fulls is None or call.task != task:
                 self.ensure_backward()
-                call.fulls = [self.gather(w) for w in call.weights]
+                call.fulls = [self.gather(w) for w in call.members.sharded]
                 call.task, call.unpacked = task, 0
                 self._held.append(call)
             full = call.fulls[saved.place]

@@ -31,7 +31,7 @@ linear (see `Uses.linear_weight`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -43,7 +43,7 @@ from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
 from ..precision import fp8
 from ..precision.encoding import Precision
-from .gather import BlockCall, Gatherer
+from .gather import BlockCall, BlockMembers, Gatherer
 from .passes import Passes
 from .stats import Stats
 
@@ -127,8 +127,8 @@ class Uses:
         return func(*args, **kwargs)
 
     @contextlib.contextmanager
-    def gathered(self, params: Sequence[GTPParameter]) -> Iterator[list[torch.Tensor]]:
-        """The weight one use of each parameter sees, in order: a block's weights, gathered
+    def gathered(self, members: BlockMembers) -> Iterator[list[torch.Tensor]]:
+        """The weight one use of each member sees, in order: a block's weights, gathered
         before its forward runs (see [Note: blocks on gathered weights], runtime/blocks.py),
         for the time of its forward; what the forward saves of them is re-gathered together
         (see [Note: a block's weights come back together], runtime/gather.py)."""
@@ -136,17 +136,16 @@ class Uses:
             self.runtime.ensure_backward()  # a checkpoint recompute: uses inside backward
         call = None
         if not torch.is_grad_enabled():
-            weights = [self._weight_of(p.gtp_weight) for p in params]
+            weights = [self._weight_of(w) for w in members.weights]
         else:
             # A group of one saves its weights as they are; a checkpoint's recompute (inside
             # backward) hands what it saves to the checkpoint, not to the pass's hooks.
             if not self.gatherer.local and not self.passes.in_backward():
-                sharded = [w for p in params if isinstance(w := p.gtp_weight, ShardedWeight)]
-                call = BlockCall(sharded, {w.index: i for i, w in enumerate(sharded)})
-            weights = list(BlockWeights.apply(self, *params))
+                call = BlockCall(members)
+            weights = list(BlockWeights.apply(self, members, *members.params))
         outer, self.gatherer.block_call = self.gatherer.block_call, call
         try:
-            yield [_as_used(p.gtp_weight, t) for p, t in zip(params, weights)]
+            yield [_as_used(w, t) for w, t in zip(members.weights, weights)]
         finally:
             self.gatherer.block_call = outer
 
@@ -238,10 +237,9 @@ class BlockWeights(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, uses: Uses, *params: GTPParameter):  # type: ignore[override]
-        ctx.uses, ctx.weights = uses, [p.gtp_weight for p in params]
+    def forward(ctx, uses: Uses, members: BlockMembers, *params: GTPParameter):  # type: ignore[override]
+        ctx.uses, ctx.weights, ctx.dtypes = uses, members.weights, members.dtypes
         with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads, not uses
-            ctx.dtypes = [p.dtype for p in params]
             frozen = [not p.requires_grad for p in params]
         ctx.set_materialize_grads(False)  # unused weights: zeros made only where needed
         out = [uses._weight_of(w) for w in ctx.weights]
@@ -252,8 +250,8 @@ class BlockWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
         uses: Uses = ctx.uses
-        out: list[torch.Tensor | None] = [None]  # for `uses`
-        runs = _will_run_all(ctx, first=1)
+        out: list[torch.Tensor | None] = [None, None]  # for `uses` and `members`
+        runs = _will_run_all(ctx, first=2)
         for w, dtype, grad, run in zip(ctx.weights, ctx.dtypes, grads, runs):
             if not run:
                 out.append(None)

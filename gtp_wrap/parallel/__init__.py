@@ -1,0 +1,1 @@
+"""Parallelism composed with GTP: torch's tensor parallelism (tensor.py)."""
