@@ -18,6 +18,7 @@ from .core.parameter import GTPParameter
 from .errors import WrapError
 from .io.state_dict import install_state_dict_hooks
 from .mesh import resolve_mesh
+from .parallel.experts import dispatch_tokens, plan_experts
 from .parallel.tensor import apply_tp_plan, take_tp_layouts
 from .runtime.engine import GTPEngine, attach, engine_of, is_wrapped
 
@@ -27,6 +28,7 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
     policy: PolicySpec = None,
     *,
     mesh: DeviceMesh | dist.ProcessGroup | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard `module`'s large weights across the GTP group, in place, and return `module`.
 
@@ -40,6 +42,12 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             (`gtp_wrap.make_mesh` builds one). Default: the whole world is one GTP group.
             Weights that torch's tensor parallelism made DTensors (parallelize_module on
             mesh["tp"], before GTPWrap) are sharded over gtp from their tp-local tensors.
+        expert_mesh: a DeviceMesh over the same world with dims named from ("edp", "ep",
+            "egtp"), in that order (`make_mesh(ep=..., egtp=...)` returns one beside `mesh`):
+            the expert stacks the policy's `group="egtp"` rules match are partitioned over ep
+            and sharded over egtp, and the experts modules of its `expert_parallel` exchange
+            their tokens over ep (see [Note: expert stacks over the expert mesh]). Default:
+            the whole world is one egtp group.
 
     After wrapping, the module keeps its class, methods and parameter names; outside
     forward/backward its sharded parameters hold this rank's rows. Every use inside a forward
@@ -63,7 +71,8 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             "the model is on the meta device; materialize it (e.g. model.to_empty(device=...) "
             "and initialize) before wrapping"
         )
-    gtp_mesh = resolve_mesh(mesh, device)
+    experts = any(rule.group == "egtp" for rule in resolved.rules)
+    gtp_mesh = resolve_mesh(mesh, device, expert_mesh, experts)
     tp_plan = plan_tensor_parallel(module, resolved)
     apply_tp_plan(module, tp_plan, gtp_mesh)  # the policy's `tp` rules, checked first
     registered = [(m, dict(m._parameters)) for m in module.modules()]
@@ -71,7 +80,8 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
         layouts = take_tp_layouts(module, gtp_mesh)  # DTensors of TP: local ones, and layouts
         global_numel = {k: layout.shape.numel() for k, layout in layouts.items()}
         plans = plan_parameters(module, resolved, global_numel)
-        engine = GTPEngine(module, plans, resolved, gtp_mesh, device, layouts)
+        ep_layouts, experts_modules = plan_experts(module, plans, resolved, gtp_mesh)
+        engine = GTPEngine(module, plans, resolved, gtp_mesh, device, layouts, ep_layouts)
     except BaseException as error:
         # The parameters go back as they were given; the styles torch's TP applied stay.
         for m, params in registered:
@@ -88,6 +98,7 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
     blocks = blocks_on_gathered_weights(module, resolved)
     if blocks:
         gather_per_block(module, blocks)
+    dispatch_tokens(experts_modules, gtp_mesh.ep)  # around whatever runs their forward now
     return module
 
 

@@ -24,7 +24,8 @@ def clip_grad_norm_(
     parameters. Sharded grads are disjoint across the GTP group and identical across dp, so
     their part of the norm is reduced over the GTP group only; a tensor-parallel weight's
     (sharded by torch's TP) is disjoint across tp too, and reduced over it as well; replicated
-    grads are the same on every rank and enter once.
+    grads are the same on every rank and enter once. Expert stacks' grads are disjoint over
+    egtp and ep, and reduced over both.
     """
     engine = engine_of(module)
     mesh = engine.mesh
@@ -32,7 +33,8 @@ def clip_grad_norm_(
     inf = norm_type == float("inf")
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     with torch._C.DisableTorchFunctionSubclass():
-        sharded_ids = {id(w.param) for w in engine.weights}
+        experts = {id(w.param) for w in engine.weights if w.axis is mesh.egtp}
+        sharded_ids = {id(w.param) for w in engine.weights} - experts
         split_by_tp = {id(w.param) for w in engine.weights if w.tp is not None and w.tp.sharded}
         split_by_tp |= {
             id(c.param) for c in engine.casts.cast_weights if c.tp is not None and c.tp.sharded
@@ -41,7 +43,8 @@ def clip_grad_norm_(
         # By where their grads differ: over gtp and tp, over gtp, over tp, nowhere.
         parts: list[list[torch.Tensor]] = [[], [], [], []]
         for p in with_grad:
-            parts[(id(p) not in sharded_ids) * 2 + (id(p) not in split_by_tp)].append(p)
+            if id(p) not in experts:
+                parts[(id(p) not in sharded_ids) * 2 + (id(p) not in split_by_tp)].append(p)
 
         def powered(params: list[torch.Tensor]) -> torch.Tensor:
             if not params:
@@ -59,6 +62,11 @@ def clip_grad_norm_(
         over_tp = combine(over_gtp[0], powered(parts[2]))
         engine.comm.wait(engine.comm.all_reduce(over_tp, mesh.tp, _WHAT, op))
         total = combine(combine(over_tp, over_gtp[1]), powered(parts[3]))
+        if experts:  # expert stacks' grads differ over egtp and ep, the same over edp
+            over_experts = powered([p for p in with_grad if id(p) in experts])
+            for axis in (mesh.egtp, mesh.ep):
+                engine.comm.wait(engine.comm.all_reduce(over_experts, axis, _WHAT, op))
+            total = combine(total, over_experts)
         if not inf:
             total = total.pow(1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):  # every rank sees the same total

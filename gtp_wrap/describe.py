@@ -21,14 +21,16 @@ class ParameterRow:
 
     Attributes:
         fqn: its first name; `aliases` are its other names (tied weights).
-        shape: its logical (full, unpadded) shape, over every tp rank too.
+        shape: its logical (full, unpadded) shape, over every tp rank too (an expert stack's
+            over every ep rank).
         shard_dim: the dim it is sharded along, or None when replicated.
         rule: the `match` of the rule that decided it, or None when no rule matched.
         reason: the decision in words ("rule 'Linear'", "below min_shard_numel (...)", ...).
         dtype: the dtype this rank stores it in (the master's); compute_dtype: the one its uses
             compute in.
         group: the mesh role its collectives run over: "gtp" for a sharded weight (gathered,
-            its gradient reduce-scattered, then averaged over dp), "world" (or "data" beside
+            its gradient reduce-scattered, then averaged over dp), "egtp" for an expert stack
+            (the same over egtp, then edp), "world" (or "data" beside
             tensor parallelism) for a replicated one (its gradient all-reduced over every data
             rank); group_size: that role's ranks.
         bytes_per_rank: what this rank stores of it: its local rows (padding excluded) when
@@ -126,7 +128,7 @@ def describe(model: nn.Module) -> Description:
             local = w.param
             row = ParameterRow(
                 fqn=fqn,
-                shape=tuple(w.geometry.shape if w.tp is None else w.tp.shape),
+                shape=tuple((w.tp or w.ep or w.geometry).shape),
                 shard_dim=w.geometry.dim,
                 rule=rule,
                 reason=decision.reason,

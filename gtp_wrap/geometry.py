@@ -123,20 +123,19 @@ class ShardGeometry:
 
 
 def lay_out(
-    specs: list[tuple[torch.Size, int, torch.dtype]],
-    rank: int,
-    world: int,
+    specs: list[tuple[torch.Size, int, torch.dtype, int, int]],
     align: bool,
     block: int = 1,
 ) -> tuple[list[ShardGeometry], dict[torch.dtype, int]]:
-    """Lay the slots of weights (shape, shard dim, dtype) out back to back per dtype, each start
-    aligned when asked; with a `block` (FP8 quantization) every slot starts and ends on a whole
-    block. Returns the geometries and each dtype's flat storage size (the last slot's end, on a
-    whole block of `_TAIL` elements)."""
+    """Lay the slots of weights (shape, shard dim, dtype, this rank's place in the group they
+    are sharded over and its size) out back to back per dtype, each start aligned when asked;
+    with a `block` (FP8 quantization) every slot starts and ends on a whole block. Returns the
+    geometries and each dtype's flat storage size (the last slot's end, on a whole block of
+    `_TAIL` elements)."""
     ends: dict[torch.dtype, int] = {}
     sizes: dict[torch.dtype, int] = {}
     geometries = []
-    for shape, dim, dtype in specs:
+    for shape, dim, dtype, rank, world in specs:
         offset = ends.get(dtype, 0)
         if align:
             step = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())

@@ -9,6 +9,10 @@ batch of their own. The ranks of one `tp` group read the same batch and split th
 compute, as torch's tensor parallelism does (parallel/tensor.py). This is the one place
 that knows the dims' names; the engine and the state dicts ask it for groups and DTensor
 placements.
+
+An `expert_mesh` factors the same world again for expert stacks, with dims from EXPERT_DIMS
+("edp", "ep", "egtp"): a stack is partitioned over `ep` (each rank keeps its experts), its part
+sharded over `egtp` and replicated over `edp` (see parallel/experts.py).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from .errors import WrapError
 DP, GTP, TP = "dp", "gtp", "tp"
 MESH_DIMS = (DP, GTP, TP)  # outermost first
 DP_GTP = (DP, GTP)  # the 2-D mesh of data parallelism over GTP groups
-EXPERT_DIMS = ("edp", "ep", "egtp")  # the expert factorization of the same world
+EDP, EP, EGTP = "edp", "ep", "egtp"
+EXPERT_DIMS = (EDP, EP, EGTP)  # the expert factorization of the same world, outermost first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +58,30 @@ class GTPMesh:
     data: MeshAxis  # every rank reading a batch of its own: replicated parameters' gradients
     world: MeshAxis  # every rank
     tp_mesh: DeviceMesh | None = None  # the "tp" dim, where tensor-parallel DTensors live
+    # The expert factorization of the same world (parallel/experts.py): expert stacks are
+    # partitioned over ep, sharded over egtp and replicated over edp.
+    expert_mesh: DeviceMesh | None = None
+    egtp: MeshAxis = MeshAxis(EGTP, None, 0, 1)
+    ep: MeshAxis = MeshAxis(EP, None, 0, 1)
+    edp: MeshAxis = MeshAxis(EDP, None, 0, 1)
 
     @property
     def world_size(self) -> int:
         return self.world.size
+
+    def replicas(self, axis: MeshAxis) -> MeshAxis:
+        """The axis a weight sharded over `axis` is replicated over: its gradient, reduced
+        over `axis`, is then reduced over this one (dp for gtp, edp for egtp)."""
+        return self.edp if axis.name == EGTP else self.dp
+
+    def expert_placements(self, dim: int) -> list[Placement]:
+        """DTensor placements over the expert mesh of an expert stack sharded along `dim`
+        over egtp and partitioned along dim 0 (its experts) over ep. Where both split dim 0,
+        DTensor's left-to-right order is the one parallel/experts.py uses: ep's block first,
+        then egtp's rows of it."""
+        by_name = {EDP: Replicate(), EP: Shard(0), EGTP: Shard(dim)}
+        assert self.expert_mesh is not None  # only distributed engines make DTensors
+        return [by_name[name] for name in self.expert_mesh.mesh_dim_names or ()]
 
     def placements(self, dim: int | None, tp: Placement | None = None) -> list[Placement]:
         """DTensor placements of a weight sharded along `dim` over gtp (None: replicated over
@@ -128,8 +153,54 @@ def _single(name: str) -> MeshAxis:
     return MeshAxis(name, None, 0, 1)
 
 
-def resolve_mesh(mesh: DeviceMesh | dist.ProcessGroup | None, device: torch.device) -> GTPMesh:
-    """Validate `mesh` against the world and return its roles; no collective is issued here."""
+def resolve_mesh(
+    mesh: DeviceMesh | dist.ProcessGroup | None,
+    device: torch.device,
+    expert_mesh: DeviceMesh | None = None,
+    experts: bool = False,
+) -> GTPMesh:
+    """Validate `mesh` (and `expert_mesh`) against the world and return their roles; no
+    collective is issued here. With `experts` (the policy places expert stacks) and no
+    `expert_mesh`, the whole world is one egtp group, as it is one gtp group without `mesh`."""
+    dense = _resolve_dense(mesh, device)
+    if expert_mesh is None and experts and dense.device_mesh is not None:
+        expert_mesh = init_device_mesh(device.type, (dense.world_size,), mesh_dim_names=(EGTP,))
+    if expert_mesh is None:
+        return dense
+    if dense.device_mesh is None:
+        raise WrapError(
+            "an expert_mesh was given but torch.distributed is not initialized; call "
+            "dist.init_process_group() first"
+        )
+    names = tuple(expert_mesh.mesh_dim_names or ()) if isinstance(expert_mesh, DeviceMesh) else ()
+    if not names or list(names) != [n for n in EXPERT_DIMS if n in names]:
+        raise WrapError(
+            f"expert_mesh must be a DeviceMesh with dims named from {EXPERT_DIMS}, in that "
+            f"order, got {expert_mesh!r}; gtp_wrap.make_mesh(ep=..., egtp=...) builds one"
+        )
+    if expert_mesh.size() != dense.world_size or expert_mesh.device_type != device.type:
+        raise WrapError(
+            f"expert_mesh spans {expert_mesh.size()} ranks on '{expert_mesh.device_type}', but "
+            f"the world has {dense.world_size} on '{device.type}': it must factor the whole "
+            "world on the parameters' device, as the dense mesh does"
+        )
+    if dense.tp.size > 1:
+        raise WrapError(
+            "an expert_mesh beside a tp dim is not supported yet: the tp ranks of a dense layer "
+            "read one batch, and expert parallelism over them would count its tokens tp times; "
+            "leave tp out of the mesh (tp=1) when giving an expert_mesh"
+        )
+    axes = {name: _axis(expert_mesh, name) for name in names}
+    return dataclasses.replace(
+        dense,
+        expert_mesh=expert_mesh,
+        egtp=axes.get(EGTP, _single(EGTP)),
+        ep=axes.get(EP, _single(EP)),
+        edp=axes.get(EDP, _single(EDP)),
+    )
+
+
+def _resolve_dense(mesh: DeviceMesh | dist.ProcessGroup | None, device: torch.device) -> GTPMesh:
     if not dist.is_initialized():
         if mesh is not None:
             raise WrapError(

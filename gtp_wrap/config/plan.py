@@ -45,6 +45,11 @@ class ParameterPlan:
     reason: str
     keep_dtype: bool  # a running-statistics norm's parameter, not cast (GTPPolicy.norm_in_fp32)
 
+    @property
+    def expert(self) -> bool:
+        """Whether it is an expert stack, placed over the expert mesh (`group="egtp"`)."""
+        return self.shard_dim is not None and self.rule is not None and self.rule.group == "egtp"
+
     def decision(self) -> Decision:
         """The decision alone, without references to the module or the parameter."""
         return Decision(self.fqns, self.rule, self.reason)
@@ -152,6 +157,8 @@ def _decide(
         return None, "a running-statistics norm's, kept in fp32 (norm_in_fp32)"
     if numel == 0:
         return None, "empty"
+    if rule.group == "egtp":  # an expert stack goes over the expert mesh whatever its size
+        return rule.dim, f"rule {rule.match!r} (expert group)"
     if numel < policy.min_shard_numel:
         return None, f"below min_shard_numel ({numel} < {policy.min_shard_numel})"
     return rule.dim, f"rule {rule.match!r}"
@@ -295,7 +302,7 @@ def blocks_on_gathered_weights(module: nn.Module, policy: GTPPolicy) -> list[nn.
     found = [
         mod
         for fqn, mod in module.named_modules()
-        if fqn and any(_module_matches(LayerRule(match=n), None, fqn, mod) for n in names)
+        if fqn and any(module_matches(n, fqn, mod) for n in names)
     ]
     if names and not found:
         warnings.warn(
@@ -305,6 +312,12 @@ def blocks_on_gathered_weights(module: nn.Module, policy: GTPPolicy) -> list[nn.
             stacklevel=3,
         )
     return found
+
+
+def module_matches(name: str, fqn: str, mod: nn.Module) -> bool:
+    """Whether a policy's module name (a class name, a module FQN or a glob over them) names
+    the module `mod` registered at `fqn`."""
+    return _module_matches(LayerRule(match=name), None, fqn, mod)
 
 
 def _module_matches(rule: LayerRule, rule_class: type | None, fqn: str, mod: nn.Module) -> bool:

@@ -22,6 +22,8 @@ _ACTIONS = get_args(Action)
 TPStyle = Literal["colwise", "rowwise", "sequence", "split_sequence", "gather_sequence"]
 _TP_STYLES = get_args(TPStyle)
 Collectives = Literal["process_group", "copy_engine"]
+Group = Literal["gtp", "egtp"]
+_GROUPS = get_args(Group)
 _COLLECTIVES = get_args(Collectives)
 _GLOB_CHARS = frozenset("*?[")
 _DTYPES = {
@@ -58,6 +60,11 @@ class LayerRule:
     (on the module whose output enters the split stream, e.g. the embedding) and
     "gather_sequence" (on the module that takes it whole again, e.g. the output head) mark its
     ends. A rule matching no module is a PolicyError.
+
+    `group="egtp"` makes the weights it shards expert stacks (`[experts, out, in]`): they are
+    sharded along `dim` over the expert mesh's "egtp" dim instead of over "gtp", partitioned
+    along dim 0 over its "ep" dim, and placed there whatever their size (min_shard_numel
+    does not apply). It needs GTPWrap's `expert_mesh`.
     """
 
     match: str
@@ -65,6 +72,7 @@ class LayerRule:
     dim: int = 0
     strict: bool = False
     tp: TPStyle | None = None
+    group: Group = "gtp"
 
     def __post_init__(self) -> None:
         if not isinstance(self.match, str) or not self.match:
@@ -81,6 +89,15 @@ class LayerRule:
         if self.tp is not None and self.tp not in _TP_STYLES:
             raise PolicyError(
                 f"LayerRule(match={self.match!r}) has tp={self.tp!r}; use one of {_TP_STYLES}"
+            )
+        if self.group not in _GROUPS:
+            raise PolicyError(
+                f"LayerRule(match={self.match!r}) has group={self.group!r}; use one of {_GROUPS}"
+            )
+        if self.group != "gtp" and (self.action != "shard" or self.tp is not None):
+            raise PolicyError(
+                f"LayerRule(match={self.match!r}, group={self.group!r}) must shard (action "
+                "'shard', no tp): the group says where its weights are sharded"
             )
         if self.tp is not None and (self.action, self.dim) != ("shard", 0):
             raise PolicyError(
@@ -188,6 +205,13 @@ class GTPPolicy:
             for code whose set of weights used depends on the data (a mixture of experts that
             runs only the experts that got tokens), which per-use gathers cannot follow
             across ranks. Names that match no module are skipped (a warning if none matches).
+        expert_parallel: experts modules (class names, module FQNs or globs) whose forward
+            takes `(tokens sorted by expert, tokens per expert)` for all the layer's experts,
+            as the reference MoE's `Experts` and torchtitan's `GroupedExperts` do. With an
+            expert mesh whose "ep" dim has more than one rank, each such module keeps its ep
+            rank's experts, and its calls send each token to the rank holding its expert and
+            back (an all-to-all each way, parallel/experts.py). Every module owning a
+            `group="egtp"` weight must be one of them then.
     """
 
     rules: tuple[LayerRule, ...] = DEFAULT_RULES
@@ -206,6 +230,7 @@ class GTPPolicy:
     norm_in_fp32: bool = True
     strict: bool = False
     gather_per_block: tuple[str, ...] = ()
+    expert_parallel: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -247,13 +272,13 @@ class GTPPolicy:
             )
         rules = tuple(_coerce_rule(r) for r in self.rules)
         object.__setattr__(self, "rules", rules)
-        blocks = self.gather_per_block
-        if isinstance(blocks, str) or not all(isinstance(b, str) and b for b in blocks):
-            raise PolicyError(
-                f"gather_per_block must be a list of class names or module FQNs (globs), got "
-                f"{blocks!r}"
-            )
-        object.__setattr__(self, "gather_per_block", tuple(blocks))
+        for name in ("gather_per_block", "expert_parallel"):
+            names = getattr(self, name)
+            if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+                raise PolicyError(
+                    f"{name} must be a list of class names or module FQNs (globs), got {names!r}"
+                )
+            object.__setattr__(self, name, tuple(names))
         if self.min_shard_numel < 0:
             raise PolicyError(f"min_shard_numel must be >= 0, got {self.min_shard_numel}")
         if self.prefetch_depth < 0:
@@ -276,7 +301,7 @@ def _coerce_rule(rule: Any) -> LayerRule:
         if unknown:
             raise PolicyError(
                 f"unknown LayerRule field(s) {sorted(unknown)}; valid: match, action, dim, strict, "
-                "tp"
+                "tp, group"
             )
         return LayerRule(**dict(rule))
     raise PolicyError(f"a rule must be a LayerRule or a mapping, got {type(rule).__name__}")

@@ -27,6 +27,7 @@ from ..config.policy import GTPPolicy
 from ..errors import WrapError
 from ..geometry import lay_out
 from ..mesh import GTPMesh
+from ..parallel.experts import EPLayout
 from ..parallel.tensor import TPLayout
 from ..precision import fp8
 from ..precision.encoding import FP8Packing, Precision, make_encodings
@@ -39,6 +40,7 @@ from .weight import CastWeight, Runtime, ShardedWeight
 AGREED_FIELDS = (
     "prefetch_depth", "group_numel", "loss_reduction", "param_dtype", "reduce_dtype",
     "gather_dtype", "fp8_matmul", "collectives", "norm_in_fp32", "gather_per_block",
+    "expert_parallel",
 )  # fmt: skip
 
 # The parameters wrapping replaced (by id): an optimizer built before GTPWrap holds these, gets
@@ -103,7 +105,7 @@ def check_ranks_agree(
     shapes = [layouts[id(p.param)].shape if id(p.param) in layouts else p.param.shape
               for p in plans]  # fmt: skip
     sigs = [stable_hash(field) for field in fields] + [
-        stable_hash(f"{p.fqns[0]}|{tuple(shape)}|{p.param.dtype}|{p.shard_dim}")
+        stable_hash(f"{p.fqns[0]}|{tuple(shape)}|{p.param.dtype}|{p.shard_dim}|{p.expert}")
         for p, shape in zip(plans, shapes)
     ]
     diff = first_difference(
@@ -142,34 +144,57 @@ def build(
     runtime: Runtime,
     device: torch.device,
     layouts: dict[int, TPLayout],
+    ep_layouts: dict[int, EPLayout],
 ) -> Built:
     """Shard the planned weights of `root` in place (see the module docstring); `layouts`:
-    the tensor-parallel layouts of parameters that were DTensors (parallel/tensor.py)."""
+    the tensor-parallel layouts of parameters that were DTensors (parallel/tensor.py);
+    `ep_layouts`: the expert stacks partitioned over ep (parallel/experts.py), of which this
+    rank shards its experts."""
     sharded = [p for p in plans if p.shard_dim is not None]
+    axes = [mesh.egtp if p.expert else mesh.gtp for p in sharded]
+    eps = [ep_layouts.get(id(p.param)) for p in sharded]
     geometries, numels = lay_out(
-        [(p.param.shape, p.shard_dim, p.param.dtype) for p in sharded],  # type: ignore[misc]
-        rank=mesh.gtp.rank,
-        world=mesh.gtp.size,
+        [
+            (
+                p.param.shape if ep is None else torch.Size([ep.count, *p.param.shape[1:]]),
+                p.shard_dim,
+                p.param.dtype,
+                axis.rank,
+                axis.size,
+            )  # type: ignore[misc]
+            for p, axis, ep in zip(sharded, axes, eps)
+        ],  # fmt: skip
         align=policy.pad_for_alignment,
         block=fp8.BLOCK if precision.fp8 else 1,
     )
     storage = FlatStorage(numels, device, precision.param_dtype if precision.keep_copy else None)
     weights = [
-        ShardedWeight(i, plan.fqns, geo, mesh.gtp, runtime, precision.compute_dtype(geo.dtype))
-        for i, (plan, geo) in enumerate(zip(sharded, geometries))
+        ShardedWeight(
+            i,
+            plan.fqns,
+            geo,
+            axis,
+            mesh.replicas(axis),
+            runtime,
+            precision.compute_dtype(geo.dtype),
+        )
+        for i, (plan, geo, axis) in enumerate(zip(sharded, geometries, axes))
     ]
     encodings, packing = make_encodings(
         precision, geometries, [w.fqn for w in weights], storage.compute, storage.params, device
     )
     _sync_from_rank0(root, plans, comm, layouts, mesh)
-    for plan, w, encoding in zip(sharded, weights, encodings):
-        w.tp = layouts.get(id(plan.param))
+    for plan, w, encoding, ep in zip(sharded, weights, encodings, eps):
+        w.tp, w.ep = layouts.get(id(plan.param)), ep
         if w.tp is not None:  # a pass's metadata queries answer as the DTensor would
             w.meta = torch.empty(w.tp.shape, dtype=w.meta.dtype, device="meta")
         geo = w.geometry
         flat = storage.params[geo.dtype]
+        whole = plan.param.detach()
         with torch.no_grad():
-            geo.local_view(flat).copy_(geo.local_rows_of(plan.param.detach()))
+            geo.local_view(flat).copy_(
+                geo.local_rows_of(whole if ep is None else ep.local_of(whole))
+            )
         _replace(plan, make_gtp_parameter(geo.local_view(flat), plan.param.requires_grad, w))
         w.encoding = encoding
         w.local = geo.local_view(storage.compute[geo.dtype])

@@ -1,7 +1,8 @@
 """One object per managed weight: what the engine knows of it, and its gradient's lifecycle.
 
 A `ShardedWeight` is everything about one sharded parameter: its names, its geometry, the
-registered parameter (this rank's rows), the mesh role it is sharded over, how its gathers send
+registered parameter (this rank's rows), the mesh roles it is sharded and replicated over (and
+an expert stack's experts this rank keeps), how its gathers send
 it (its encoding), the view its local uses read, the graphed region that owns it, its users'
 gradient hooks, and where this backward's gradient of it is (`GradState`). The parameter points
 to it and to nothing else; the engine's parts take it as their unit of work. A `CastWeight` is
@@ -22,6 +23,7 @@ from ..geometry import ShardGeometry
 
 if TYPE_CHECKING:
     from ..mesh import MeshAxis
+    from ..parallel.experts import EPLayout
     from ..parallel.tensor import TPLayout
     from ..precision.encoding import Encoding
 
@@ -57,7 +59,7 @@ class ShardedWeight:
     __slots__ = (
         "index", "fqns", "geometry", "axis", "param", "encoding", "local", "meta", "runtime",
         "region", "grad_hooks", "grad_state", "pending_grads", "what_gather", "what_reduce",
-        "what_dp", "tp",
+        "what_dp", "tp", "replicas", "ep",
     )  # fmt: skip
 
     def __init__(
@@ -66,13 +68,15 @@ class ShardedWeight:
         fqns: tuple[str, ...],
         geometry: ShardGeometry,
         axis: MeshAxis,
+        replicas: MeshAxis,
         runtime: Runtime,
         compute_dtype: torch.dtype,
     ) -> None:
         self.index = index  # its position in the engine's weights: what chains record
         self.fqns = fqns
         self.geometry = geometry
-        self.axis = axis
+        self.axis = axis  # sharded over it: gtp, or egtp for an expert stack
+        self.replicas = replicas  # replicated over it: dp, or edp
         self.runtime = runtime
         # The weight a use sees (logical shape, compute dtype) on the meta device: metadata
         # queries during a pass answer from it without a gather.
@@ -90,6 +94,7 @@ class ShardedWeight:
         self.what_reduce = f"reduce-scatter of the gradient of '{fqn}' (step {{step}})"
         self.what_dp = f"dp all-reduce of the gradient of '{fqn}'"
         self.tp: TPLayout | None = None  # its tensor-parallel layout: a use sees a DTensor
+        self.ep: EPLayout | None = None  # an expert stack's experts this rank keeps
 
     @property
     def fqn(self) -> str:

@@ -13,28 +13,46 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
 from ..runtime.engine import GTPEngine
 
 
-def to_dtensor(engine: GTPEngine, w: ShardedWeight | CastWeight, local: torch.Tensor) -> DTensor:
-    """This rank's part of a managed weight (or of its optimizer state) as a DTensor of the
-    logical, unpadded shape over the whole mesh: a sharded weight's rows over gtp (of its tp
-    block, where tensor parallelism split it), or a tensor-parallel block GTP replicates (split
-    over tp only, so one rank of each tp block writes it to a checkpoint)."""
+def dtensor_layout(
+    engine: GTPEngine, w: ShardedWeight | CastWeight
+) -> tuple[DeviceMesh, list[Placement], torch.Size]:
+    """The mesh, placements and logical, unpadded shape of a managed weight's DTensor: a
+    sharded weight's rows over gtp (of its tp block, where tensor parallelism split it), an
+    expert stack's over the expert mesh (its experts over ep, its rows over egtp), or a
+    tensor-parallel block GTP replicates (split over tp only, so one rank of each tp block
+    writes it to a checkpoint)."""
+    mesh = engine.mesh
+    if type(w) is ShardedWeight and w.axis is mesh.egtp:
+        assert mesh.expert_mesh is not None  # expert stacks exist only beside one
+        shape = w.geometry.shape if w.ep is None else w.ep.shape
+        return mesh.expert_mesh, mesh.expert_placements(w.geometry.dim), shape
     tp = w.tp
     if type(w) is ShardedWeight:
         dim, shape = w.geometry.dim, w.geometry.shape if tp is None else tp.shape
     else:
         assert tp is not None  # a replicated weight is a DTensor only beside tensor parallelism
         dim, shape = None, tp.shape
+    assert mesh.device_mesh is not None  # only distributed engines make DTensors
+    return mesh.device_mesh, mesh.placements(dim, None if tp is None else tp.placement), shape
+
+
+def to_dtensor(engine: GTPEngine, w: ShardedWeight | CastWeight, local: torch.Tensor) -> DTensor:
+    """This rank's part of a managed weight (or of its optimizer state) as its DTensor (see
+    `dtensor_layout`)."""
+    device_mesh, placements, shape = dtensor_layout(engine, w)
     return DTensor.from_local(
         local,
-        engine.mesh.device_mesh,
-        engine.mesh.placements(dim, None if tp is None else tp.placement),
+        device_mesh,
+        placements,
         run_check=False,
         shape=shape,
         stride=torch.empty(shape, device="meta").stride(),
@@ -127,21 +145,19 @@ def _to_local(
 def _local_value(engine: GTPEngine, w: _Managed, value: torch.Tensor) -> torch.Tensor:
     """This rank's part of a loaded value of `w`: the same DTensor's local block as it is, or
     the rows of the full tensor (a DTensor of another layout is made full first)."""
-    if isinstance(w, CastWeight):  # tensor-parallel, replicated over gtp
-        assert w.tp is not None
-        if isinstance(value, DTensor):
-            if list(value.placements) == engine.mesh.placements(None, w.tp.placement):
-                return value.to_local()
-            value = value.full_tensor()
-        return w.tp.local_of(value) if value.shape == w.tp.shape else value
-    lay = w.geometry
     if isinstance(value, DTensor):
-        tp = None if w.tp is None else w.tp.placement
-        if list(value.placements) == engine.mesh.placements(lay.dim, tp):
+        device_mesh, placements, _ = dtensor_layout(engine, w)
+        if value.device_mesh == device_mesh and list(value.placements) == placements:
             return value.to_local()
         value = value.full_tensor()
+    if isinstance(w, CastWeight):  # tensor-parallel, replicated over gtp
+        assert w.tp is not None
+        return w.tp.local_of(value) if value.shape == w.tp.shape else value
+    lay = w.geometry
     if w.tp is not None and value.shape == w.tp.shape:
         value = w.tp.local_of(value)
+    if w.ep is not None and value.shape == w.ep.shape:
+        value = w.ep.local_of(value)
     return lay.local_rows_of(value) if value.shape == lay.shape else value
 
 

@@ -74,23 +74,24 @@ class GatherBuffer:
 
 
 class GatherBufferPool:
-    """Gather buffers keyed by (numel, dtype); grows only when every matching buffer is busy."""
+    """Gather buffers keyed by (numel, dtype, rank, world), the last two of the group they
+    gather over; grows only when every matching buffer is busy."""
 
-    def __init__(self, device: torch.device, rank: int, world: int) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.rank, self.world = rank, world  # of the group its buffers gather over
-        self._by_key: dict[tuple[int, torch.dtype], list[GatherBuffer]] = {}
+        self._by_key: dict[tuple[int, torch.dtype, int, int], list[GatherBuffer]] = {}
         self._by_ptr: dict[int, GatherBuffer] = {}
         self.total_bytes = 0  # memory held by gather buffers
 
-    def reserve(self, numel: int, dtype: torch.dtype) -> GatherBuffer:
-        """A free buffer for a gather about to be issued, marked GATHERING (new if none is)."""
-        buffers = self._by_key.setdefault((numel, dtype), [])
+    def reserve(self, numel: int, dtype: torch.dtype, rank: int, world: int) -> GatherBuffer:
+        """A free buffer for a gather about to be issued over a group of `world` ranks, this
+        one `rank`, marked GATHERING (new if none is)."""
+        buffers = self._by_key.setdefault((numel, dtype, rank, world), [])
         for buf in buffers:
             if buf.state is BufferState.FREE:
                 break
         else:
-            buf = GatherBuffer(numel, dtype, self.device, self.rank, self.world)
+            buf = GatherBuffer(numel, dtype, self.device, rank, world)
             buffers.append(buf)
             self._by_ptr[buf.data_ptr] = buf
             self.total_bytes += buf.nbytes

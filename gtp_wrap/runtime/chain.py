@@ -63,16 +63,22 @@ class Chain:
     group_stop: tuple[int, ...]  # per group: the position after its last use
 
     @classmethod
-    def build(cls, order: list[int], numels: list[int], group_numel: int) -> Chain:
-        """Cut `order` greedily: a group closes once its weights reach `group_numel` elements
-        (0: one use per group)."""
+    def build(cls, order: list[int], weights: list[ShardedWeight], group_numel: int) -> Chain:
+        """Cut `order` (indices into `weights`) greedily: a group closes once its weights reach
+        `group_numel` elements (0: one use per group), or before a weight sharded over another
+        group (an expert stack after dense weights), which needs a collective of its own."""
         group_of: list[int] = []
         group_stop: list[int] = []
         size = 0
         for position, index in enumerate(order):
             group_of.append(len(group_stop))
-            size += numels[index]
-            if size >= group_numel or position == len(order) - 1:
+            size += weights[index].geometry.gathered_numel
+            last = position == len(order) - 1
+            if (
+                last
+                or size >= group_numel
+                or weights[order[position + 1]].axis is not weights[index].axis
+            ):
                 group_stop.append(position + 1)
                 size = 0
         return cls(tuple(order), tuple(group_of), tuple(group_stop))

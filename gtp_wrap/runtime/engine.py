@@ -35,6 +35,7 @@ from ..core.build import build, check_ranks_agree, install_process_hooks
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError, WrapError
 from ..mesh import GTPMesh
+from ..parallel.experts import EPLayout
 from ..parallel.tensor import TPLayout
 from ..precision.encoding import Precision
 from .blocks import GatheredBlock, refuse_tracing
@@ -112,6 +113,7 @@ class GTPEngine:
         mesh: GTPMesh,
         device: torch.device,
         layouts: dict[int, TPLayout],
+        ep_layouts: dict[int, EPLayout],
     ) -> None:
         install_process_hooks()
         install_optimizer_hook()
@@ -122,23 +124,39 @@ class GTPEngine:
         self.watch = Watch(str(next(_engine_ids)), timeout)
         self.agreement = Agreement(mesh.world_size, self.watch)
         check_ranks_agree(plans, policy, self.agreement, layouts)
-        self.precision = Precision.resolve(policy, mesh.gtp.size, device)
+        # The groups the sharded weights are sharded over: gtp, and egtp for expert stacks.
+        groups = {
+            mesh.egtp.size if p.expert else mesh.gtp.size for p in plans if p.shard_dim is not None
+        }
+        if (
+            policy.collectives == "copy_engine"
+            and mesh.egtp.size > 1
+            and any(p.expert for p in plans)
+        ):
+            raise WrapError(
+                "collectives: copy_engine moves gathers over the gtp group only, and the policy "
+                "shards expert stacks over egtp; use collectives: process_group with experts"
+            )
+        self.precision = Precision.resolve(policy, min(groups, default=mesh.gtp.size), device)
         self.reduce_dtype = self.precision.reduce_dtype
         average = policy.loss_reduction == "mean"
         self.comm = Comm(mesh, timeout, average, step=lambda: self.step, watch=self.watch)
         if policy.collectives == "copy_engine" and mesh.gtp.size > 1:
             self.comm.use_copy_engine(self.agreement, device, policy.group_numel)
-        built = build(root, plans, policy, self.precision, mesh, self.comm, self, device, layouts)
+        built = build(
+            root, plans, policy, self.precision, mesh, self.comm, self, device, layouts, ep_layouts
+        )
         self.weights = built.weights
         self.decisions = built.decisions  # for gtp_wrap.describe
         self.passes = Passes(
-            self.weights, self.agreement, policy.group_numel, mesh.gtp.size, lambda: self.step
-        )
+            self.weights, self.agreement, policy.group_numel, max(groups, default=1) > 1,
+            lambda: self.step,
+        )  # fmt: skip
         shared = Shared(
             self.weights, self.comm, self.passes, self.stats, self.ensure_backward, device
         )
         self.gatherer = Gatherer(shared, self.precision, policy.prefetch_depth)
-        self.reducer = GradReducer(shared, mesh.dp, policy.group_numel, self.reduce_dtype)
+        self.reducer = GradReducer(shared, policy.group_numel, self.reduce_dtype)
         self.casts = Casts(built.storage, built.packing, built.cast_weights,
                            [w.param for w in self.weights], self.stats)  # fmt: skip
         self.replicated = ReplicatedGrads(

@@ -120,14 +120,14 @@ class Gatherer(Part):
         super().__init__(shared)
         self.precision = precision
         self.depth = prefetch_depth
-        self.local = self.comm.gtp.size == 1  # a group of one reads its local copy
+        # Whether every weight is sharded over a group of one, which reads its local copy.
+        self.local = all(w.axis.size == 1 for w in self.weights)
         # [Note: graphed buffers] Graphed regions gather into buffers of their own. A graph
         # keeps the addresses it was captured with, so handing one of its buffers to an eager
         # pass would let a replay overwrite it. Replays never overlap each other, so all
         # regions share one pool.
-        gtp = self.comm.gtp
-        self.eager = GatherBufferPool(self.device, gtp.rank, gtp.size)
-        self.graphed = GatherBufferPool(self.device, gtp.rank, gtp.size)
+        self.eager = GatherBufferPool(self.device)
+        self.graphed = GatherBufferPool(self.device)
         self.pool = self.eager
         self.block_call: BlockCall | None = None  # the block whose forward runs now, if any
         self._held: list[BlockCall] = []  # block calls holding weights gathered in backward
@@ -135,7 +135,7 @@ class Gatherer(Part):
     def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
         """The logical full weight of `w`, gathered for one use of the current pass (with
         `packed`, the gathered FP8 slots as they came, for the FP8 GEMM)."""
-        if self.local:
+        if w.axis.size == 1:
             return w.local
         state = self.passes.stack[-1]
         if state.expects(w.index):
@@ -166,15 +166,15 @@ class Gatherer(Part):
         bufs, sends = [], []
         for w in weights:
             enc = w.encoding  # FP8 slots are dequantized when consumed
-            buf = self.pool.reserve(w.geometry.world * enc.send.numel(), enc.dtype)
+            geo = w.geometry
+            buf = self.pool.reserve(geo.world * enc.send.numel(), enc.dtype, geo.rank, geo.world)
             buf.owner = w
             bufs.append(buf)
             sends.append(enc.send)
             self.stats.bytes_gathered += buf.nbytes
         context = _CONTEXT[state.kind]
         what = describe_group(weights, "all-gather of", weights[0].what_gather, context)
-        # A chain group's weights share their mesh role (the gtp group, the only one today).
-        axis = weights[0].axis
+        axis = weights[0].axis  # a chain group's weights share it (Chain.build)
         outs, owns = [b.tensor for b in bufs], [b.own for b in bufs]
         pendings = self.comm.all_gather(axis, outs, owns, sends, what, context)
         self.stats.peak_gathered_bytes = max(self.stats.peak_gathered_bytes, self.total_bytes())
@@ -188,7 +188,8 @@ class Gatherer(Part):
         buf, w = gather.buffer, gather.weight
         geo = w.geometry
         if w.encoding.decodes and not packed:
-            out = self.pool.reserve(geo.gathered_numel, self.precision.compute_dtype(geo.dtype))
+            dtype = self.precision.compute_dtype(geo.dtype)
+            out = self.pool.reserve(geo.gathered_numel, dtype, geo.rank, geo.world)
             out.owner = w
             w.encoding.decode_into(buf.tensor, out.tensor, geo)
             self.pool.hand_out(buf)

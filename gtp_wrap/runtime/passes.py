@@ -27,7 +27,7 @@ class Passes:
         weights: list[ShardedWeight],
         agreement: Agreement,
         group_numel: int,
-        gtp_size: int,
+        gathers: bool,
         step: Callable[[], int],
     ) -> None:
         self.stack: list[PassState] = []
@@ -39,7 +39,9 @@ class Passes:
         self._weights = weights
         self._agreement = agreement
         self._group_numel = group_numel
-        self._records = gtp_size > 1  # a group of one gathers nothing, so it agrees on nothing
+        # Only weights sharded over more than one rank are gathered, and recorded: groups of
+        # one gather nothing, so ranks have nothing to agree on.
+        self._records = gathers
         self._step = step
 
     def intercepting(self) -> bool:
@@ -97,8 +99,7 @@ class Passes:
                 "collectively, so every rank must run the same weights in the same order "
                 "(make data-dependent branches agree across ranks)"
             )
-        numels = [w.geometry.gathered_numel for w in self._weights]
-        self.chains[state.key] = Chain.build(state.recorded, numels, self._group_numel)
+        self.chains[state.key] = Chain.build(state.recorded, self._weights, self._group_numel)
 
     def region_weights(self, scope: str) -> set[int]:
         """The weights (indices) the passes of a graphed region's scope use."""

@@ -1,5 +1,6 @@
-"""Weight gradients: reduce-scattered over the GTP group in groups, averaged over dp, landed in
-each shard's `.grad`, and handed to users' hooks; the sharded sibling of runtime/replicated.py.
+"""Weight gradients: reduce-scattered over the group their weight is sharded over (gtp, or egtp
+for expert stacks) in groups, averaged over its replicas (dp, or edp), landed in each shard's
+`.grad`, and handed to users' hooks; the sharded sibling of runtime/replicated.py.
 
 Each use's full weight gradient joins the collecting group; a group is issued as one
 reduce-scatter once it holds `group_numel` elements, and finalized when the next group is issued
@@ -16,11 +17,11 @@ import dataclasses
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 from ..comm.comm import Pending
 from ..core.weight import GradState, ShardedWeight, describe_group
 from ..errors import GraphCaptureError
-from ..mesh import MeshAxis
 from .part import Part, Shared
 
 
@@ -47,12 +48,13 @@ class ReduceGroup:
 class GradReducer(Part):
     """Reduce-scatters, finalizes and lands the weight gradients of one engine."""
 
-    def __init__(
-        self, shared: Shared, dp: MeshAxis, group_numel: int, reduce_dtype: torch.dtype | None
-    ) -> None:
+    def __init__(self, shared: Shared, group_numel: int, reduce_dtype: torch.dtype | None) -> None:
         super().__init__(shared)
-        self.dp = dp
         self.group_numel = group_numel
+        # An expert stack's gradient summed every ep rank's tokens already (see [Note: expert
+        # stacks over the expert mesh]): under a mean it is divided by ep once more.
+        average = self.comm.grad_op == dist.ReduceOp.AVG
+        self.scale = {w.index: 1 / w.ep.size for w in self.weights if average and w.ep}
         self.reduce_dtype = reduce_dtype
         self._collecting = ReduceGroup()  # gradients not yet issued
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
@@ -78,9 +80,16 @@ class GradReducer(Part):
         geo = w.geometry
         with torch._C.DisableTorchFunctionSubclass():
             dtype = self.reduce_dtype or grad.dtype
-            if w.axis.size == 1 and self.dp.size == 1 and geo.dim == 0:
+            scale = self.scale.get(w.index)
+            if scale is not None:
+                grad = grad * scale
+            if w.axis.size == 1 and w.replicas.size == 1 and geo.dim == 0:
                 self._land_unreduced(w, grad, dtype)
                 return
+            group = self._collecting
+            if group.grads and group.grads[-1].weight.axis is not w.axis:
+                self._issue()  # a group's gradients share their collective's group
+                group = self._collecting
             # A weight used twice has a second gradient; only the first may become `.grad`.
             direct = (
                 dtype == geo.dtype
@@ -94,7 +103,6 @@ class GradReducer(Part):
             )
             full = geo.padded_rows_view(grad.to(dtype))
             w.grad_collected()
-            group = self._collecting
             group.grads.append(PendingGrad(w, out, direct))
             group.fulls.append(full)
             group.numel += full.numel()
@@ -152,10 +160,11 @@ class GradReducer(Part):
         group before it (whose all-reduces had this group's reduce-scatter to run under), else
         land it."""
         self.comm.wait(group.pending)  # type: ignore[arg-type]
-        if self.dp.size == 1:
+        replicas = group.grads[0].weight.replicas  # shared, as the axis is
+        if replicas.size == 1:
             self._land(group)
             return
-        group.averaging = [self.comm.all_reduce(g.out, self.dp, g.weight.what_dp)
+        group.averaging = [self.comm.all_reduce(g.out, replicas, g.weight.what_dp)
                            for g in group.grads]  # fmt: skip
         prev, self._averaging = self._averaging, group
         if prev is not None:

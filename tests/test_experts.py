@@ -1,0 +1,235 @@
+"""Expert stacks over the expert mesh (policy moe): sharded over egtp, partitioned over ep with
+tokens exchanged by all-to-all, against the unwrapped reference MoE trained on every rank's
+batch; one gather per stack per pass whatever the routing; checkpoints resharded between expert
+shapes; and the configurations refused at wrap."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import cached_ranks, caught, run_ranks
+from torch import nn
+
+import gtp_wrap
+from gtp_wrap import GTPWrap
+from gtp_wrap.api import engine_of
+from gtp_wrap.app.model import GPT, GPTConfig
+from gtp_wrap.config.policy import resolve_policy
+
+CFG = GPTConfig(vocab=64, d=32, layers=2, heads=4, ffn=48, max_seq=16, experts=4, top_k=2,
+                moe_ffn=16, shared_expert=True)  # fmt: skip
+MOE = resolve_policy(Path(__file__).parents[1] / "configs" / "policy" / "moe.yaml")
+POLICY = {
+    "rules": MOE.rules,
+    "gather_per_block": MOE.gather_per_block,
+    "expert_parallel": MOE.expert_parallel,
+    "min_shard_numel": 0,
+}
+STACKS = ("gate_up", "down")
+
+
+def _route(model: nn.Module, rank: int, skew: str) -> list:
+    """Routing that differs per rank: under "rank0", rank 0 sends its tokens to experts 0 and 1
+    only (the others route as the router says); under "first", every rank does, so the ranks
+    holding experts 2 and 3 get no token at all."""
+    bias = torch.zeros(CFG.experts)
+    if rank == 0 or skew == "first":
+        bias[:2] = torch.tensor([30.0, 20.0])
+    return [b.mlp.router.register_forward_hook(lambda m, i, o: o + bias) for b in model.blocks]
+
+
+def _loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    logits = model(idx[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()) + model.aux_loss()
+
+
+def _train(rank: int, world: int, dense: tuple[int, int], ep: int, egtp: int, skew: str) -> dict:
+    """3 AdamW steps with clipping on a (dp, gtp) x (edp, ep, egtp) mesh against the unwrapped
+    model trained on every rank's batch (each routed as its rank routes it)."""
+    mesh, expert_mesh = gtp_wrap.make_mesh(dp=dense[0], gtp=dense[1], ep=ep, egtp=egtp)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    GTPWrap(model, POLICY, mesh=mesh, expert_mesh=expert_mesh)
+    _route(model, rank, skew)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    norms = []
+    for step in range(3):
+        idx = torch.randint(0, CFG.vocab, (2 * world, 9),
+                            generator=torch.Generator().manual_seed(step))  # fmt: skip
+        _loss(model, idx[rank * 2 : rank * 2 + 2]).backward()
+        total = torch.zeros(())
+        for r in range(world):
+            hooks = _route(ref, r, skew)
+            total = total + _loss(ref, idx[r * 2 : r * 2 + 2]) / world
+            for h in hooks:
+                h.remove()
+        total.backward()
+        norms.append(
+            (gtp_wrap.clip_grad_norm_(model, 1.0).item(),
+             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+        )  # fmt: skip
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full, want = gtp_wrap.full_state_dict(model), ref.state_dict()
+    engine = engine_of(model)
+    name = {w.index: w.fqn for w in engine.weights}
+    stacks = {w.fqn: w for w in engine.weights if ".experts." in w.fqn}
+    per_pass = {
+        str(key[0]): sorted({sum(name[i] == s for i in chain.order) for s in stacks})
+        for key, chain in engine.passes.chains.items()
+    }
+    w = stacks["blocks.0.mlp.experts.gate_up"]
+    return {
+        "diff": max((full[k] - v).abs().max().item() for k, v in want.items()),
+        "norms": norms,
+        "per_pass": per_pass,
+        "group": (w.axis.name, w.axis.size, w.replicas.name, w.replicas.size),
+        "local_shape": list(w.param.shape),
+        "dtensor": list(model.state_dict()["blocks.0.mlp.experts.gate_up"].shape),
+        "tokens": model.tokens_per_expert().tolist(),
+    }
+
+
+# (dense (dp, gtp), ep, egtp, skew): every expert shape of the issue on 2 and 4 ranks.
+TWO = {
+    "egtp2": ((1, 2), 1, 2, "rank0"),
+    "ep2": ((1, 2), 2, 1, "rank0"),
+}
+FOUR = {
+    "ep2_egtp2": ((2, 2), 2, 2, "rank0"),
+    "ep2_edp2": ((1, 4), 2, 1, "first"),
+    "ep4": ((1, 4), 4, 1, "rank0"),
+    "egtp2_edp2": ((2, 2), 1, 2, "rank0"),
+}
+
+
+def _cases(rank: int, world: int) -> dict:
+    cases = TWO if world == 2 else FOUR
+    return {name: _train(rank, world, *case) for name, case in cases.items()}
+
+
+@pytest.mark.parametrize("world,name", [(2, n) for n in TWO] + [(4, n) for n in FOUR])
+def test_expert_shapes_train_exactly(world: int, name: str) -> None:
+    results = cached_ranks(_cases, world, timeout=300.0)
+    dense, ep, egtp, _ = (TWO if world == 2 else FOUR)[name]
+    for r in (res[name] for res in results):
+        assert r["diff"] < 1e-4, r["diff"]  # AdamW over 3 steps, as in test_moe
+        for got, want in r["norms"]:  # clipping counts each expert shard once
+            assert abs(got - want) < 1e-4 * want
+        assert r["group"] == ("egtp", egtp, "edp", world // (ep * egtp))
+        assert r["local_shape"] == [CFG.experts // ep, -(-2 * CFG.moe_ffn // egtp), CFG.d]
+        assert r["dtensor"] == [CFG.experts, 2 * CFG.moe_ffn, CFG.d]  # the logical stack
+        # One gather per stack per pass (none at all where egtp has one rank).
+        once = [0] if egtp == 1 else [1]
+        assert r["per_pass"] == {"PassKind.FORWARD": once, "PassKind.BACKWARD": once}
+
+
+def test_a_rank_whose_experts_get_no_token_still_trains_them_to_zero_gradient() -> None:
+    """Under "first" every token goes to experts 0 and 1 (ep rank 0): ep rank 1's experts get
+    none, and training still matches the reference (above); here, that the routing did."""
+    for res in cached_ranks(_cases, 4, timeout=300.0):
+        for block in res["ep2_edp2"]["tokens"]:
+            assert block[2:] == [0, 0] and sum(block) > 0
+
+
+def _reshard(rank: int, world: int) -> dict:
+    """Save at ep2 x egtp2 after a step, load at egtp4, into the unwrapped model, and back from
+    egtp4 into ep2 x egtp2: the weights and the optimizer state, checked by a further step."""
+    root = Path(tempfile.gettempdir()) / f"gtp_experts_ckpt_{os.getppid()}"
+    out = {}
+
+    def wrapped(ep: int, egtp: int) -> tuple[GPT, torch.optim.Optimizer]:
+        mesh, expert_mesh = gtp_wrap.make_mesh(gtp=4, ep=ep, egtp=egtp)
+        torch.manual_seed(0)
+        model = GTPWrap(GPT(CFG), POLICY, mesh=mesh, expert_mesh=expert_mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)  # type: ignore[return-value]
+
+    def step(model: GPT, opt: torch.optim.Optimizer, seed: int) -> None:
+        idx = torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
+        _loss(model, idx).backward()
+        opt.step()
+        opt.zero_grad()
+
+    a, a_opt = wrapped(2, 2)
+    step(a, a_opt, rank)
+    saved = gtp_wrap.checkpoint.save(root / "a", a, a_opt, step=1)
+    b, b_opt = wrapped(1, 4)
+    gtp_wrap.checkpoint.load(saved, b, b_opt)
+    plain = GPT(CFG)
+    gtp_wrap.checkpoint.load(saved, plain)
+    want = gtp_wrap.full_state_dict(a)
+    out["into_egtp4"] = max((gtp_wrap.full_state_dict(b)[k] - v).abs().max().item()
+                            for k, v in want.items())  # fmt: skip
+    out["into_plain"] = all(torch.equal(plain.state_dict()[k], v) for k, v in want.items())
+    step(a, a_opt, 10 + rank)
+    step(b, b_opt, 10 + rank)
+    want = gtp_wrap.full_state_dict(a)
+    out["stepped"] = max((gtp_wrap.full_state_dict(b)[k] - v).abs().max().item()
+                         for k, v in want.items())  # fmt: skip
+    saved = gtp_wrap.checkpoint.save(root / "b", b, b_opt, step=2)
+    c, c_opt = wrapped(2, 2)
+    gtp_wrap.checkpoint.load(saved, c, c_opt)
+    want = gtp_wrap.full_state_dict(b)
+    out["back"] = max((gtp_wrap.full_state_dict(c)[k] - v).abs().max().item()
+                      for k, v in want.items())  # fmt: skip
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def test_checkpoints_reshard_between_expert_shapes() -> None:
+    for r in run_ranks(_reshard, 4, timeout=300.0):
+        assert r["into_egtp4"] == 0.0 and r["into_plain"] and r["back"] == 0.0
+        assert r["stepped"] < 1e-6  # the optimizer state came along
+
+
+def _refused(rank: int, world: int) -> dict:
+    mesh, expert_mesh = gtp_wrap.make_mesh(gtp=2, ep=2)
+    three = dataclasses.replace(CFG, experts=6)
+    three_ep = gtp_wrap.make_mesh(gtp=2, ep=2)
+    no_ep_module = {**POLICY, "expert_parallel": ["Attention"]}
+    return {
+        "odd_experts": caught(lambda: GTPWrap(GPT(dataclasses.replace(CFG, experts=3)),
+                                              POLICY, mesh=mesh, expert_mesh=expert_mesh)),
+        "too_big": caught(lambda: gtp_wrap.make_mesh(gtp=2, ep=4)),
+        "not_dividing": caught(lambda: gtp_wrap.make_mesh(gtp=2, ep=1, egtp=3)),
+        "names": caught(lambda: GTPWrap(GPT(CFG), POLICY, mesh=mesh, expert_mesh=mesh)),
+        "no_module": caught(lambda: GTPWrap(GPT(CFG), no_ep_module, mesh=mesh,
+                                            expert_mesh=expert_mesh)),
+        "none": caught(lambda: GTPWrap(GPT(CFG), {**POLICY, "expert_parallel": []}, mesh=mesh,
+                                       expert_mesh=expert_mesh)),
+        "fine": caught(lambda: GTPWrap(GPT(three), POLICY, mesh=three_ep[0],
+                                       expert_mesh=three_ep[1])),
+    }  # fmt: skip
+
+
+def test_bad_expert_meshes_are_refused_at_wrap() -> None:
+    r = cached_ranks(_refused, 2)[0]
+    assert "cannot be split over ep=2" in r["odd_experts"] and "multiple of ep" in r["odd_experts"]
+    assert r["too_big"].startswith("WrapError") and "ep x egtp divide" in r["too_big"]
+    assert r["not_dividing"].startswith("WrapError") and "ep x egtp divide" in r["not_dividing"]
+    assert "dims named from ('edp', 'ep', 'egtp')" in r["names"]
+    assert "not among the policy's expert_parallel ['Attention']" in r["no_module"]
+    assert "no module matches the policy's expert_parallel []" in r["none"]
+    assert r["fine"] == "no error"
+
+
+def test_egtp_rules_are_checked_when_made() -> None:
+    with pytest.raises(gtp_wrap.PolicyError, match="group='ep'"):
+        gtp_wrap.LayerRule("*.experts.*", group="ep")  # type: ignore[arg-type]
+    with pytest.raises(gtp_wrap.PolicyError, match="must shard"):
+        gtp_wrap.LayerRule("*.experts.*", action="replicate", group="egtp")
+    with pytest.raises(gtp_wrap.PolicyError, match="expert_parallel must be a list"):
+        gtp_wrap.GTPPolicy(expert_parallel="Experts")  # type: ignore[arg-type]
