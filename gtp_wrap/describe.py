@@ -37,6 +37,8 @@ class ParameterRow:
             sharded, the whole parameter (its tp block) when replicated.
         tp: its placement over the mesh's tp dim ("Shard(0)", "Replicate()") when torch's
             tensor parallelism split it (GTP shards or replicates its tp block), else None.
+        ep: for an expert stack partitioned over the expert mesh's ep dim, that dim's size
+            (each rank keeps shape[0] / ep experts, sharded over egtp), else None.
     """
 
     fqn: str
@@ -51,6 +53,7 @@ class ParameterRow:
     bytes_per_rank: int
     aliases: tuple[str, ...]
     tp: str | None = None
+    ep: int | None = None
 
     @property
     def sharded(self) -> bool:
@@ -83,7 +86,8 @@ class Description:
                 r.fqn + "".join(f" = {a}" for a in r.aliases),
                 "x".join(map(str, r.shape)) or "scalar",
                 (f"shard({r.shard_dim})" if r.sharded else "replicate")
-                + (f", tp {r.tp}" if r.tp else ""),
+                + (f", tp {r.tp}" if r.tp else "")
+                + (f", ep S(0) over {r.ep}" if r.ep else ""),
                 r.compute_dtype,
                 f"{r.group}={r.group_size}",
                 f"{r.bytes_per_rank:,}",
@@ -139,6 +143,7 @@ def describe(model: nn.Module) -> Description:
                 bytes_per_rank=local.numel() * local.element_size(),
                 aliases=aliases,
                 tp=None if w.tp is None else str(w.tp.placement),
+                ep=None if w.ep is None else w.ep.size,
             )
         else:
             param = model.get_parameter(fqn)

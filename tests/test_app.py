@@ -105,6 +105,15 @@ def test_moe_training_reports_tokens_per_expert(tmp_path: Path) -> None:
     want = _metrics(tmp_path)["history"]["loss"]
     got = _metrics(tmp_path / "compiled")["history"]["loss"]
     assert got == pytest.approx(want, rel=1e-5)
+    # Expert parallelism: each rank keeps 4 of the 8 experts and the tokens go to them.
+    ep = _train("model=moe_tiny", "policy=moe", "trainer.steps=3", "expert_mesh=[2,1]",
+                f"out_dir={tmp_path / 'ep'}")  # fmt: skip
+    assert ep.returncode == 0, ep.stderr[-3000:]
+    assert (
+        "blocks.0.mlp.experts.gate_up  8x256x128  shard(1)"
+        in (tmp_path / "ep" / "train.log").read_text()
+    )
+    assert _metrics(tmp_path / "ep")["history"]["loss"] == pytest.approx(want, rel=1e-5)
 
 
 def _options(group: str) -> list[str]:
@@ -143,6 +152,8 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("mesh=[1,1,3] policy=tp", "tp=3 does not divide model.heads=4"),
         ("mesh=[1,2,0]", "every size must be a whole number >= 1"),
         ("mesh=[1,1,1,2]", "give two sizes, [dp, gtp], or three, [dp, gtp, tp]"),
+        ("expert_mesh=[3,1]", "expert_mesh=[3, 1]: ep x egtp must divide nproc=2"),
+        ("expert_mesh=[2]", "expert_mesh=[2]: give two whole numbers >= 1, [ep, egtp]"),
     ],
 )
 def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:

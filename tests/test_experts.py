@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -233,3 +234,29 @@ def test_egtp_rules_are_checked_when_made() -> None:
         gtp_wrap.LayerRule("*.experts.*", action="replicate", group="egtp")
     with pytest.raises(gtp_wrap.PolicyError, match="expert_parallel must be a list"):
         gtp_wrap.GTPPolicy(expert_parallel="Experts")  # type: ignore[arg-type]
+
+
+def _readme(rank: int, world: int, shape: str) -> tuple[list[float], str]:
+    """The README's expert-parallelism snippet (the process group is the harness's), at its
+    own ep2 x egtp2 or with the experts over egtp4: the losses and describe's table."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Expert parallelism and the expert group", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    code = code.replace('dist.init_process_group("gloo")', "pass")
+    code = code.replace("ep=2, egtp=2", shape)
+    code = code.replace("print(gtp_wrap.describe(model))", "table = str(gtp_wrap.describe(model))")
+    code = code.replace(".backward()", ".backward()\n    losses.append(loss.item())")
+    scope: dict = {"losses": []}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    return scope["losses"], scope["table"]
+
+
+def test_readme_snippet_trains_as_the_expert_group_alone() -> None:
+    """ep2 x egtp2 takes the steps that egtp4 takes (the same data ranks, the same model)."""
+    ep = run_ranks(_readme, 4, "ep=2, egtp=2")
+    alone = run_ranks(_readme, 4, "ep=1, egtp=4")
+    for (losses, table), (want, _) in zip(ep, alone):
+        assert len(losses) == 3 and losses == pytest.approx(want, rel=1e-5)
+        row = next(line for line in table.splitlines() if "experts.gate_up" in line)
+        assert "4x64x64  shard(1), ep S(0) over 2  float32  egtp=2" in row
+        assert re.search(r"experts.gate_up +4x64x64 +shard\(1\) +float32 +egtp=4", alone[0][1])

@@ -35,7 +35,7 @@ import gtp_wrap
 from gtp_wrap import GTPPolicy, GTPWrap
 from gtp_wrap.config.policy import resolve_policy
 from gtp_wrap.errors import PolicyError
-from gtp_wrap.mesh import DP_GTP, MESH_DIMS
+from gtp_wrap.mesh import DP_GTP, EXPERT_DIMS, MESH_DIMS
 
 from ..io import checkpoint
 from . import report
@@ -127,11 +127,23 @@ def _validate(cfg: dict, run_dir: str) -> None:
             f"mesh={cfg['mesh']}: tp={tp} does not divide model.heads={cfg['model']['heads']}; "
             "tensor parallelism gives each tp rank whole attention heads"
         )
+    experts = cfg.get("expert_mesh")
+    if experts is not None and (
+        len(experts) != 2 or not all(isinstance(n, int) and n >= 1 for n in experts)
+    ):
+        raise LaunchError(f"expert_mesh={experts}: give two whole numbers >= 1, [ep, egtp]")
+    if experts is not None and tp > 1:
+        raise LaunchError(
+            f"expert_mesh={experts} with mesh={cfg['mesh']}: experts beside tensor parallelism "
+            "are not supported yet; leave tp out of the mesh"
+        )
     if not under_torchrun():
         check_local_devices(cfg["nproc"], cpu=cfg["device"] == "cpu")
         world = cfg["nproc"]
         if cfg["mesh"] is not None and math.prod(cfg["mesh"]) != world:
             raise LaunchError(f"mesh={cfg['mesh']} does not multiply to nproc={world}")
+        if experts is not None and world % math.prod(experts):
+            raise LaunchError(f"expert_mesh={experts}: ep x egtp must divide nproc={world}")
     if not cfg["resume"] and (found := checkpoint.latest(_checkpoints(run_dir))) is not None:
         raise LaunchError(
             f"{run_dir} already holds checkpoints ({found.name}) that a fresh run would "
@@ -203,8 +215,14 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         mesh = init_device_mesh(device.type, tuple(cfg["mesh"]), mesh_dim_names=names)
     # The ranks of one tp group (innermost, consecutive) read the same batch.
     data_rank = rank // _tp_size(cfg["mesh"])
+    expert_mesh = None
+    if cfg.get("expert_mesh") is not None:
+        ep, egtp = cfg["expert_mesh"]
+        expert_mesh = init_device_mesh(
+            device.type, (world // (ep * egtp), ep, egtp), mesh_dim_names=EXPERT_DIMS
+        )
     policy: GTPPolicy = resolve_policy(cfg["policy"])
-    GTPWrap(model, policy, mesh=mesh)
+    GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh)
     if t["compile"]:
         gtp_wrap.compile(model)  # each block compiled, GTP's gathers between them
     elif t["gather_per_block"]:
