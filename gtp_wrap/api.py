@@ -120,7 +120,9 @@ def stats(module: nn.Module) -> dict[str, Any]:
     """Gather and reduce counters since the last `reset_stats`: gathers, prefetched_gathers,
     blocking_gathers (and per pass kind), bytes_gathered, bytes_reduced, peak_gathered_bytes,
     weight_casts (re-casts of a kept compute copy or FP8 re-quantizations: once per step),
-    fp8_matmuls (FP8 GEMMs), workspace_bytes: the copy-engine workspaces' memory
+    fp8_matmuls (FP8 GEMMs), expert_gathers and prefetched_expert_gathers (the gathers of
+    expert stacks over egtp, and how many of them were issued ahead of their use),
+    workspace_bytes: the copy-engine workspaces' memory
     (`collectives: copy_engine`; symmetric memory), and workspace_bytes_outside_allocator: the
     part of it that `torch.cuda.max_memory_allocated` does not count (all of it on torch
     2.11)."""
@@ -137,6 +139,8 @@ def stats(module: nn.Module) -> dict[str, Any]:
         "peak_gathered_bytes": s.peak_gathered_bytes,
         "weight_casts": s.weight_casts,
         "fp8_matmuls": s.fp8_matmuls,
+        "expert_gathers": s.expert_gathers,
+        "prefetched_expert_gathers": s.prefetched_expert_gathers,
         "workspace_bytes": engine.comm.workspace_bytes(),
         "workspace_bytes_outside_allocator": engine.comm.workspace_bytes(outside_allocator=True),
     }

@@ -65,6 +65,8 @@ def _train(rank: int, world: int, dense: tuple[int, int], ep: int, egtp: int, sk
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     norms = []
     for step in range(3):
+        if step == 1:  # the chains are recorded: count the steps that follow them
+            gtp_wrap.reset_stats(model)
         idx = torch.randint(0, CFG.vocab, (2 * world, 9),
                             generator=torch.Generator().manual_seed(step))  # fmt: skip
         _loss(model, idx[rank * 2 : rank * 2 + 2]).backward()
@@ -91,7 +93,9 @@ def _train(rank: int, world: int, dense: tuple[int, int], ep: int, egtp: int, sk
         for key, chain in engine.passes.chains.items()
     }
     w = stacks["blocks.0.mlp.experts.gate_up"]
+    stats = gtp_wrap.stats(model)
     return {
+        "expert_gathers": (stats["expert_gathers"], stats["prefetched_expert_gathers"]),
         "diff": max((full[k] - v).abs().max().item() for k, v in want.items()),
         "norms": norms,
         "per_pass": per_pass,
@@ -134,6 +138,9 @@ def test_expert_shapes_train_exactly(world: int, name: str) -> None:
         # One gather per stack per pass (none at all where egtp has one rank).
         once = [0] if egtp == 1 else [1]
         assert r["per_pass"] == {"PassKind.FORWARD": once, "PassKind.BACKWARD": once}
+        # 2 steps x 2 passes x 2 layers x 2 stacks, each issued ahead of its use (the
+        # previous chain group's first use issued it: attention's, or the previous layer's).
+        assert r["expert_gathers"] == ((0, 0) if egtp == 1 else (16, 16))
 
 
 def test_a_rank_whose_experts_get_no_token_still_trains_them_to_zero_gradient() -> None:

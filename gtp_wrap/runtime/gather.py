@@ -129,6 +129,7 @@ class Gatherer(Part):
         self.eager = GatherBufferPool(self.device)
         self.graphed = GatherBufferPool(self.device)
         self.pool = self.eager
+        self.experts = self.comm.mesh.egtp  # the axis expert stacks are sharded over
         self.block_call: BlockCall | None = None  # the block whose forward runs now, if any
         self._held: list[BlockCall] = []  # block calls holding weights gathered in backward
 
@@ -202,6 +203,9 @@ class Gatherer(Part):
             self.stats.blocking_by_pass[key] = self.stats.blocking_by_pass.get(key, 0) + 1
         else:
             self.stats.prefetched_gathers += 1
+        if w.axis is self.experts:
+            self.stats.expert_gathers += 1
+            self.stats.prefetched_expert_gathers += not blocking
         return full
 
     def drain(self, state: PassState) -> None:

@@ -19,6 +19,8 @@ class Stats:
     weight_casts: int = 0  # re-casts of a kept compute copy / FP8 re-quantizations (per step)
     fp8_matmuls: int = 0  # uses that ran as FP8 GEMMs (fp8_matmul)
     blocking_by_pass: dict[str, int] = dataclasses.field(default_factory=dict)
+    expert_gathers: int = 0  # of `gathers`, those of expert stacks (over egtp)
+    prefetched_expert_gathers: int = 0  # of those, the ones issued ahead of their use
 
     def reset(self, peak_gathered_bytes: int) -> None:
         """Zero every counter in place (the parts hold this object); the high-water mark
