@@ -116,6 +116,21 @@ def test_moe_training_reports_tokens_per_expert(tmp_path: Path) -> None:
     assert _metrics(tmp_path / "ep")["history"]["loss"] == pytest.approx(want, rel=1e-5)
 
 
+def test_muon_training(tmp_path: Path) -> None:
+    """optimizer=muon: gtp_wrap.optim.Muon on the matrices (each orthogonalized by one owner),
+    AdamW on the embedding and the rest; it trains, and resumes exactly from its checkpoint."""
+    common = ["optimizer=muon", "trainer.steps=8", "checkpoint.every=4", "trainer.warmup=2"]
+    whole = _train(*common, f"out_dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    losses = _metrics(tmp_path / "whole")["history"]["loss"]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5
+    part = _train(*common, "trainer.stop_at=4", f"out_dir={tmp_path / 'part'}")
+    assert part.returncode == 0, part.stderr[-3000:]
+    resumed = _train(*common, "resume=true", f"out_dir={tmp_path / 'part'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _metrics(tmp_path / "part")["history"]["loss"] == losses
+
+
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
 
@@ -154,6 +169,7 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("mesh=[1,1,1,2]", "give two sizes, [dp, gtp], or three, [dp, gtp, tp]"),
         ("expert_mesh=[3,1]", "expert_mesh=[3, 1]: ep x egtp must divide nproc=2"),
         ("expert_mesh=[2]", "expert_mesh=[2]: give two whole numbers >= 1, [ep, egtp]"),
+        ("optimizer=muon optimizer.adjust_lr_fn=rms", "optimizer=muon: Muon: adjust_lr_fn='rms'"),
     ],
 )
 def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:

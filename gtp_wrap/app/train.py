@@ -36,6 +36,7 @@ from gtp_wrap import GTPPolicy, GTPWrap
 from gtp_wrap.config.policy import resolve_policy
 from gtp_wrap.errors import PolicyError
 from gtp_wrap.mesh import DP_GTP, EXPERT_DIMS, MESH_DIMS
+from gtp_wrap.optim import Muon, muon_param_groups
 
 from ..io import checkpoint
 from . import report
@@ -90,6 +91,17 @@ def _validate(cfg: dict, run_dir: str) -> None:
             "policy collectives=copy_engine moves data between GPUs; on CPU ranks use "
             "collectives=process_group"
         )
+    opt = cfg["optimizer"]
+    if opt.get("name") not in ("adamw", "muon"):
+        raise LaunchError(
+            f"optimizer.name={opt.get('name')!r}: use optimizer=adamw or optimizer=muon"
+        )
+    if opt["name"] == "muon":
+        try:  # its own checks of lr, momentum, ns_steps and adjust_lr_fn
+            Muon([torch.zeros(2, 2)], lr=opt["lr"], momentum=opt["momentum"],
+                 ns_steps=opt["ns_steps"], adjust_lr_fn=opt["adjust_lr_fn"])  # fmt: skip
+        except ValueError as e:
+            raise LaunchError(f"optimizer=muon: {e}") from e
     t = cfg["trainer"]
     for key in ("steps", "batch", "seq", "accumulation", "eval_batches"):
         if not isinstance(t[key], int) or t[key] < 1:
@@ -163,6 +175,22 @@ def _lr_lambda(t: dict):
     return factor
 
 
+def _optimizer(model: torch.nn.Module, opt: dict, t: dict) -> torch.optim.Optimizer:
+    """The `optimizer` group's choice: AdamW, or Muon with AdamW for the rest (trainer.lr)."""
+    if opt["name"] == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+    groups = muon_param_groups(model, adamw=opt["adamw"], lr=opt["lr"])
+    groups[1].update(lr=t["lr"], weight_decay=t["weight_decay"])
+    return Muon(
+        groups,
+        weight_decay=t["weight_decay"],
+        momentum=opt["momentum"],
+        nesterov=opt["nesterov"],
+        ns_steps=opt["ns_steps"],
+        adjust_lr_fn=opt["adjust_lr_fn"],
+    )
+
+
 def _tp_size(mesh: Any) -> int:
     """The tp size of a `mesh` setting ([dp, gtp] or [dp, gtp, tp]; null: no tp)."""
     return int(mesh[2]) if mesh is not None and len(mesh) == 3 else 1
@@ -229,7 +257,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         gtp_wrap.gather_per_block(model)  # eager blocks on their gathered weights
     if rank == 0:
         log.info("what the policy did (gtp_wrap.describe):\n%s", gtp_wrap.describe(model))
-    optim = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+    optim = _optimizer(model, cfg["optimizer"], t)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(t))
     data = TokenStream(DataConfig(**cfg["data"]), t["seq"], model_cfg.vocab, cfg["seed"])
 
