@@ -240,3 +240,20 @@ def test_param_groups_send_embeddings_to_adamw_by_fqn() -> None:
     assert adamw["betas"] == (0.9, 0.95) and adamw["eps"] == 1e-8
     with pytest.raises(ValueError, match="orthogonalizes matrices"):
         Muon([{"params": [model.norm.weight], "use_muon": True}])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_batched_newton_schulz_on_the_gpu_is_torchs_per_matrix() -> None:
+    """On the GPU, whether batched GEMMs round as torch's per-matrix ones do (the owners
+    orthogonalize same-shape matrices as one batch): printed, and held to bf16 rounding."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    g = torch.randn(4, 2048, 5632, device="cuda")
+    coefficients = (3.4445, -4.775, 2.0315)
+    want = torch.stack([_zeropower_via_newtonschulz(m, coefficients, 5, 1e-7) for m in g])
+    got = orthogonalize(g, coefficients, 5, 1e-7)
+    diff = (got.float() - want.float()).abs().max().item()
+    print(f"batched NS on {torch.cuda.get_device_name()}: bitwise {torch.equal(got, want)}, "
+          f"max diff {diff:.3g}")  # fmt: skip
+    assert diff < 0.02  # the update's elements are ~0.01-1; one bf16 step of them at most
