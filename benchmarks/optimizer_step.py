@@ -3,6 +3,7 @@ share of the training step, its collectives, and the Newton–Schulz balance of 
 
     torchrun --nproc_per_node 2 benchmarks/optimizer_step.py --plan "1.36B:1,8"
     python benchmarks/optimizer_step.py --smoke        # CPU, 2 gloo ranks, no timing claims
+    python benchmarks/optimizer_step.py --smoke --plan 125M:1 --modes muon muon_duplicated
     python benchmarks/optimizer_step.py --balance 1.36B  # owners' NS load at 2..64 ranks, no GPU
 
 Modes, each on the bench_step model wrapped with bf16 gathers and fp32 reductions:
@@ -144,7 +145,7 @@ def _rank(device: torch.device, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--plan", default="1.36B:1,8", help="model:batches;...")
+    ap.add_argument("--plan", default=None, help="model:batches;... (default 1.36B:1,8)")
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
@@ -156,8 +157,9 @@ def main(argv: list[str] | None = None) -> None:
         for row in balance(args.balance):
             print(json.dumps(row))
         return
-    if args.smoke:
-        args.plan, args.seq, args.steps = "smoke:2", 32, 2
+    if args.smoke:  # CPU ranks: the smoke model unless a plan is given, short sequences
+        args.plan, args.seq, args.steps = args.plan or "smoke:2", 32, 2
+    args.plan = args.plan or "1.36B:1,8"
     if not under_torchrun() and not args.smoke:
         sys.exit("run under torchrun (see the module docstring), or pass --smoke")
     launch(_rank, 2, args, cpu=args.smoke)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -257,3 +258,23 @@ def test_batched_newton_schulz_on_the_gpu_is_torchs_per_matrix() -> None:
     print(f"batched NS on {torch.cuda.get_device_name()}: bitwise {torch.equal(got, want)}, "
           f"max diff {diff:.3g}")  # fmt: skip
     assert diff < 0.02  # the update's elements are ~0.01-1; one bf16 step of them at most
+
+
+def _readme(rank: int, world: int) -> dict:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Muon (`gtp_wrap.optim.Muon`)", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    code = code.replace('dist.init_process_group("gloo")', "pass")
+    code = code.replace("print(opt.orthogonalized", "shown = (opt.orthogonalized")
+    code = code.replace("loss.backward()", "loss.backward()\n    losses.append(loss.item())")
+    scope: dict = {"losses": []}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    return {"losses": scope["losses"], "shown": scope["shown"]}
+
+
+def test_readme_snippet_runs_muon_on_two_ranks() -> None:
+    results = run_ranks(_readme, 2)
+    matrices = 2 * 5  # qkv, o, gate, up, down per block; the embedding (tied head) on AdamW
+    assert sum(r["shown"][0] for r in results) == 3 * matrices
+    for r in results:
+        assert len(r["losses"]) == 3 and r["shown"][1] == 6 and len(r["shown"][2]) == 2
