@@ -109,9 +109,8 @@ def make_mesh(
     """`(mesh, expert_mesh)` over the whole world. `mesh` has dims ("dp", "gtp", "tp") as given:
     each size a whole number, or -1 (one of them at most) for what the others leave of the
     world; dims of size 1 other than "gtp" are left out. `expert_mesh` factors the same world
-    for expert weights as ("edp", "ep", "egtp"), edp being what ep x egtp leave (GTPWrap does
-    not take it yet: expert stacks shard over gtp like any weight). `device_type`: "cuda" where
-    a GPU is present, else "cpu", by default."""
+    for expert weights as ("edp", "ep", "egtp"), edp being what ep x egtp leave: GTPWrap's
+    `expert_mesh`. `device_type`: "cuda" where a GPU is present, else "cpu", by default."""
     if not dist.is_initialized():
         raise WrapError("make_mesh needs torch.distributed: call dist.init_process_group() first")
     world = dist.get_world_size()

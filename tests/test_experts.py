@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,12 @@ def _refused(rank: int, world: int) -> dict:
                                             expert_mesh=expert_mesh)),
         "none": caught(lambda: GTPWrap(GPT(CFG), {**POLICY, "expert_parallel": []}, mesh=mesh,
                                        expert_mesh=expert_mesh)),
+        "per_block": caught(lambda: GTPWrap(GPT(CFG), {**POLICY, "gather_per_block": ["Experts"]},
+                                            mesh=mesh, expert_mesh=expert_mesh)),
+        "later_per_block": caught(lambda: gtp_wrap.gather_per_block(
+            GTPWrap(GPT(CFG), POLICY, mesh=mesh, expert_mesh=expert_mesh), "Experts")),
+        "fp8": caught(lambda: GTPWrap(GPT(CFG), {**POLICY, "gather_dtype": "fp8"}, mesh=mesh,
+                                      expert_mesh=expert_mesh)),
         "fine": caught(lambda: GTPWrap(GPT(three), POLICY, mesh=three_ep[0],
                                        expert_mesh=three_ep[1])),
     }  # fmt: skip
@@ -231,6 +238,12 @@ def test_bad_expert_meshes_are_refused_at_wrap() -> None:
     assert "dims named from ('edp', 'ep', 'egtp')" in r["names"]
     assert "not among the policy's expert_parallel ['Attention']" in r["no_module"]
     assert "no module matches the policy's expert_parallel []" in r["none"]
+    assert (
+        "'blocks.0.mlp.experts' is in the policy's expert_parallel and gather_per_block"
+        in (r["per_block"])
+    )
+    assert "exchanges its tokens over ep" in r["later_per_block"]
+    assert "gather_dtype: fp8 with weights sharded over groups of [1, 2] ranks" in r["fp8"]
     assert r["fine"] == "no error"
 
 
@@ -267,3 +280,66 @@ def test_readme_snippet_trains_as_the_expert_group_alone() -> None:
         row = next(line for line in table.splitlines() if "experts.gate_up" in line)
         assert "4x64x64  shard(1), ep S(0) over 2  float32  egtp=2" in row
         assert re.search(r"experts.gate_up +4x64x64 +shard\(1\) +float32 +egtp=4", alone[0][1])
+
+
+def _failing_peer(rank: int, world: int) -> str:
+    """Rank 1 raises in its router at the second step and stays alive: rank 0, in the token
+    all-to-all by then, must name the failure instead of waiting for it."""
+    mesh, expert_mesh = gtp_wrap.make_mesh(gtp=2, ep=2)
+    torch.manual_seed(0)
+    model = GTPWrap(GPT(CFG), POLICY, mesh=mesh, expert_mesh=expert_mesh)
+    idx = torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+    _loss(model, idx).backward()
+    if rank == 1:
+
+        def fail(*_: object) -> None:
+            raise ValueError("a bad batch on rank 1")
+
+        model.blocks[0].mlp.router.register_forward_hook(fail)
+    began = time.monotonic()
+    try:
+        _loss(model, idx).backward()
+        return "no error"
+    except Exception as e:  # noqa: BLE001 - the test asserts on the name and message
+        if rank == 1:
+            time.sleep(8)  # alive: rank 0 must learn of the failure, not of a closed socket
+        return f"{time.monotonic() - began:.1f} {type(e).__name__}: {e}"
+
+
+_failing_peer.leaves_group_broken = True  # type: ignore[attr-defined]
+
+
+def test_a_peer_failing_before_the_token_exchange_is_named() -> None:
+    first, second = run_ranks(_failing_peer, 2, timeout=120.0)
+    assert "ValueError: a bad batch on rank 1" in second
+    seconds, error = first.split(" ", 1)
+    assert error.startswith("PeerFailedError") and "rank 1" in error, error
+    assert float(seconds) < 8  # named while rank 1 still lives
+
+
+def _chains_of_small_groups(rank: int, world: int) -> dict:
+    """group_numel=0 (a collective per weight) still gathers a layer's stacks as one."""
+    torch.manual_seed(0)
+    model = GTPWrap(GPT(CFG), {**POLICY, "group_numel": 0})
+    for step in range(2):
+        _loss(model, _batch(step)).backward()
+    engine = engine_of(model)
+    out = {}
+    for key, chain in engine.passes.chains.items():
+        groups: dict[int, list[str]] = {}
+        for position, index in enumerate(chain.order):
+            groups.setdefault(chain.group_of[position], []).append(engine.weights[index].fqn)
+        out[str(key[0])] = [g for g in groups.values() if any(".experts." in f for f in g)]
+    return out
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_layers_expert_stacks_are_one_collective_whatever_group_numel() -> None:
+    for r in cached_ranks(_chains_of_small_groups, 2):
+        for groups in r.values():
+            assert sorted(sorted(g) for g in groups) == [
+                [f"blocks.{i}.mlp.experts.down", f"blocks.{i}.mlp.experts.gate_up"] for i in (0, 1)
+            ]

@@ -211,6 +211,20 @@ class Comm:
         work = dist.all_reduce(t, op=op, group=axis.group, async_op=True)
         return self._issued(axis, (work,), what)[0]
 
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        recvs: list[int] | None,
+        sends: list[int] | None,
+        axis: MeshAxis,
+        what: str,
+    ) -> Pending:
+        """Rows of `inp` in blocks of `sends` to each rank of `axis`, `recvs` from each into
+        `out` (None: equal blocks)."""
+        work = dist.all_to_all_single(out, inp, recvs, sends, group=axis.group, async_op=True)
+        return self._issued(axis, (work,), what)[0]  # type: ignore[arg-type]
+
     def broadcast(self, t: torch.Tensor, what: str, axis: MeshAxis | None = None) -> Pending:
         """The `t` of the first rank of `axis` (default: the world) on every rank of it."""
         axis = axis or self.mesh.world

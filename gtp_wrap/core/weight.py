@@ -59,7 +59,7 @@ class ShardedWeight:
     __slots__ = (
         "index", "fqns", "geometry", "axis", "param", "encoding", "local", "meta", "runtime",
         "region", "grad_hooks", "grad_state", "pending_grads", "what_gather", "what_reduce",
-        "what_dp", "tp", "replicas", "ep",
+        "what_dp", "tp", "replicas", "ep", "unit",
     )  # fmt: skip
 
     def __init__(
@@ -95,6 +95,9 @@ class ShardedWeight:
         self.what_dp = f"dp all-reduce of the gradient of '{fqn}'"
         self.tp: TPLayout | None = None  # its tensor-parallel layout: a use sees a DTensor
         self.ep: EPLayout | None = None  # an expert stack's experts this rank keeps
+        # An expert stack's layer (its module's FQN): the stacks of one layer are gathered and
+        # reduce-scattered as one collective, whatever group_numel says.
+        self.unit: str | None = None
 
     @property
     def fqn(self) -> str:

@@ -27,13 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..config.plan import ParameterPlan, module_matches
+from ..comm.comm import Comm
+from ..config.plan import ParameterPlan, blocks_on_gathered_weights, module_matches
 from ..config.policy import GTPPolicy
 from ..errors import WrapError
-from ..mesh import GTPMesh, MeshAxis
+from ..mesh import GTPMesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,13 @@ def plan_experts(
             "there (their forward takes tokens sorted by expert and tokens per expert), or "
             "give an expert_mesh without ep"
         )
+    both = [names[id(m)] for m in modules if m in blocks_on_gathered_weights(module, policy)]
+    if both:
+        raise WrapError(
+            f"'{both[0]}' is in the policy's expert_parallel and gather_per_block: an "
+            "expert-parallel module exchanges its tokens around its own forward; run its parent "
+            "(the MoE layer) on gathered weights instead"
+        )
     layouts = {}
     for plan in experts:
         owner = next((m for m in modules for o, _ in plan.owners if o is m), None)
@@ -107,61 +114,65 @@ def plan_experts(
     return layouts, modules
 
 
-def dispatch_tokens(modules: list[nn.Module], axis: MeshAxis) -> None:
+def dispatch_tokens(modules: list[nn.Module], comm: Comm) -> None:
     """Make each experts module's calls send tokens to their experts' ep ranks and back."""
     for mod in modules:
-        mod.forward = ExpertDispatch(mod.forward, axis)
+        mod.forward = ExpertDispatch(mod.forward, comm)
 
 
 class ExpertDispatch:
     """An experts module's forward over ep: tokens sorted by expert, with a count for each of
     the layer's E experts, go to the ranks holding their experts (an all-to-all), are computed
-    there by this rank's E/ep experts, and come back in their order (another all-to-all)."""
+    there by this rank's E/ep experts, and come back in their order (another all-to-all).
+    The exchanges go through the engine's Comm, so a peer that failed or left is named
+    instead of waited for."""
 
-    def __init__(self, inner: Callable[..., torch.Tensor], axis: MeshAxis) -> None:
+    def __init__(self, inner: Callable[..., torch.Tensor], comm: Comm) -> None:
         self.inner = inner
-        self.axis = axis
+        self.comm = comm
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        size, group = self.axis.size, self.axis.group
+        size = self.comm.mesh.ep.size
         if counts.numel() % size:
             raise WrapError(
                 f"an expert-parallel experts module got counts for {counts.numel()} experts, "
                 f"not a multiple of ep={size}: pass one count per expert of the whole layer"
             )
         local = counts.numel() // size
-        counts = counts.to(torch.long)
+        counts = counts.to(torch.long).contiguous()
         received = torch.empty_like(counts)  # [source rank, its count for each local expert]
-        dist.all_to_all_single(received, counts, group=group)
+        self.comm.wait(self.comm.all_to_all(received, counts, None, None, self.comm.mesh.ep,
+                                            "all-to-all of the tokens per expert"))  # fmt: skip
         from_each = received.view(size, local)
         sends = counts.view(size, local).sum(1).tolist()
         recvs = from_each.sum(1).tolist()
-        tokens = _AllToAll.apply(x, recvs, sends, group)
+        tokens = _AllToAll.apply(x, recvs, sends, self.comm)
         # Received by source rank, then expert: sort them by expert for the experts' GEMMs.
         expert_of = torch.arange(local, device=x.device).repeat(size)
         order = torch.argsort(expert_of.repeat_interleave(from_each.flatten()), stable=True)
         out = self.inner(tokens[order], from_each.sum(0), *args, **kwargs)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return _AllToAll.apply(out[back], sends, recvs, group)
+        return _AllToAll.apply(out[back], sends, recvs, self.comm)
 
 
 class _AllToAll(torch.autograd.Function):
     """Rows of `x` in blocks of `sends` to each rank, `recvs` from each; backward reverses it."""
 
     @staticmethod
-    def forward(ctx, x, recvs, sends, group):  # type: ignore[override]
-        ctx.recvs, ctx.sends, ctx.group = recvs, sends, group
-        return _all_to_all(x, recvs, sends, group)
+    def forward(ctx, x, recvs, sends, comm):  # type: ignore[override]
+        ctx.recvs, ctx.sends, ctx.comm = recvs, sends, comm
+        return _all_to_all(comm, x, recvs, sends, "all-to-all of the tokens to their experts")
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _all_to_all(grad, ctx.sends, ctx.recvs, ctx.group), None, None, None
+        what = "all-to-all of the tokens' gradients back from their experts"
+        return _all_to_all(ctx.comm, grad, ctx.sends, ctx.recvs, what), None, None, None
 
 
 def _all_to_all(
-    x: torch.Tensor, recvs: list[int], sends: list[int], group: dist.ProcessGroup | None
+    comm: Comm, x: torch.Tensor, recvs: list[int], sends: list[int], what: str
 ) -> torch.Tensor:
     out = x.new_empty((sum(recvs), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recvs, sends, group=group)
+    comm.wait(comm.all_to_all(out, x.contiguous(), recvs, sends, comm.mesh.ep, what))
     return out

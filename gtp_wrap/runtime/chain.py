@@ -65,19 +65,21 @@ class Chain:
     @classmethod
     def build(cls, order: list[int], weights: list[ShardedWeight], group_numel: int) -> Chain:
         """Cut `order` (indices into `weights`) greedily: a group closes once its weights reach
-        `group_numel` elements (0: one use per group), or before a weight sharded over another
+        `group_numel` elements (0: one use per group), but not between the expert stacks of
+        one layer (one collective for them all); and before a weight sharded over another
         group (an expert stack after dense weights), which needs a collective of its own."""
         group_of: list[int] = []
         group_stop: list[int] = []
         size = 0
         for position, index in enumerate(order):
             group_of.append(len(group_stop))
-            size += weights[index].geometry.gathered_numel
-            last = position == len(order) - 1
+            w = weights[index]
+            size += w.geometry.gathered_numel
+            nxt = weights[order[position + 1]] if position + 1 < len(order) else None
             if (
-                last
-                or size >= group_numel
-                or weights[order[position + 1]].axis is not weights[index].axis
+                nxt is None
+                or nxt.axis is not w.axis
+                or (size >= group_numel and (w.unit is None or nxt.unit != w.unit))
             ):
                 group_stop.append(position + 1)
                 size = 0

@@ -35,7 +35,7 @@ from ..core.build import build, check_ranks_agree, install_process_hooks
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError, WrapError
 from ..mesh import GTPMesh
-from ..parallel.experts import EPLayout
+from ..parallel.experts import EPLayout, ExpertDispatch
 from ..parallel.tensor import TPLayout
 from ..precision.encoding import Precision
 from .blocks import GatheredBlock, refuse_tracing
@@ -128,14 +128,18 @@ class GTPEngine:
         groups = {
             mesh.egtp.size if p.expert else mesh.gtp.size for p in plans if p.shard_dim is not None
         }
-        if (
-            policy.collectives == "copy_engine"
-            and mesh.egtp.size > 1
-            and any(p.expert for p in plans)
-        ):
+        experts = any(p.expert for p in plans)
+        if policy.collectives == "copy_engine" and mesh.gtp.size > 1 < mesh.egtp.size and experts:
             raise WrapError(
                 "collectives: copy_engine moves gathers over the gtp group only, and the policy "
                 "shards expert stacks over egtp; use collectives: process_group with experts"
+            )
+        if policy.gather_dtype is not None and len(groups) > 1 and min(groups) == 1:
+            raise WrapError(
+                f"gather_dtype: {policy.gather_dtype} with weights sharded over groups of "
+                f"{sorted(groups)} ranks: a group of one gathers nothing, so FP8 gathers would "
+                "be off for every weight; give the dense and expert groups more than one rank "
+                "each, or leave gather_dtype unset"
             )
         self.precision = Precision.resolve(policy, min(groups, default=mesh.gtp.size), device)
         self.reduce_dtype = self.precision.reduce_dtype
@@ -193,6 +197,12 @@ class GTPEngine:
         """Run `block` as `forward(block, ...)` (its class's forward, compiled or not) on its
         weights gathered once per call (see [Note: blocks on gathered weights]); the block
         becomes the owner of the weights inside it."""
+        if isinstance(block.__dict__.get("forward"), ExpertDispatch):
+            raise WrapError(
+                f"'{self.owners.name(block)}' exchanges its tokens over ep (the policy's "
+                "expert_parallel) around its own forward: run its parent (the MoE layer) on "
+                "gathered weights instead"
+            )
         inside = {id(m) for m in block.modules()}
         for taken in list(self._gathered_blocks):
             if taken is not block and id(taken) in inside:

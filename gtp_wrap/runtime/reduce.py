@@ -13,6 +13,7 @@ the next group's issue, and the end of backward lands them all. Each weight's `G
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable
 
@@ -55,6 +56,7 @@ class GradReducer(Part):
         # stacks over the expert mesh]): under a mean it is divided by ep once more.
         average = self.comm.grad_op == dist.ReduceOp.AVG
         self.scale = {w.index: 1 / w.ep.size for w in self.weights if average and w.ep}
+        self.unit_sizes = collections.Counter(w.unit for w in self.weights if w.unit is not None)
         self.reduce_dtype = reduce_dtype
         self._collecting = ReduceGroup()  # gradients not yet issued
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
@@ -82,7 +84,7 @@ class GradReducer(Part):
             dtype = self.reduce_dtype or grad.dtype
             scale = self.scale.get(w.index)
             if scale is not None:
-                grad = grad * scale
+                grad = grad.to(dtype) * scale
             if w.axis.size == 1 and w.replicas.size == 1 and geo.dim == 0:
                 self._land_unreduced(w, grad, dtype)
                 return
@@ -107,8 +109,15 @@ class GradReducer(Part):
             group.fulls.append(full)
             group.numel += full.numel()
             self.stats.bytes_reduced += full.numel() * full.element_size()
-            if group.numel >= self.group_numel:
+            if group.numel >= self.group_numel and self._unit_complete(group, w):
                 self._issue()
+
+    def _unit_complete(self, group: ReduceGroup, w: ShardedWeight) -> bool:
+        """Whether the group may close after `w`: not between the expert stacks of one layer,
+        which are reduce-scattered as one collective, as they are gathered (Chain.build)."""
+        if w.unit is None:
+            return True
+        return sum(g.weight.unit == w.unit for g in group.grads) >= self.unit_sizes[w.unit]
 
     def _land_unreduced(self, w: ShardedWeight, grad: torch.Tensor, dtype: torch.dtype) -> None:
         """A gradient with no peer to reduce with (a group of one, no dp) is the shard's
