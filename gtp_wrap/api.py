@@ -10,13 +10,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .compilation import gather_per_block
 from .config.plan import blocks_on_gathered_weights, plan_parameters, plan_tensor_parallel
 from .config.policy import PolicySpec, resolve_policy
+from .core.meta_init import InitFn, check_meta, check_same_generators, materialize_meta
 from .core.parameter import GTPParameter
 from .errors import WrapError
-from .io.state_dict import install_state_dict_hooks
+from .io.state_dict import gather_whole, install_state_dict_hooks, local_offset
 from .mesh import resolve_mesh
 from .parallel.experts import dispatch_tokens, plan_experts
 from .parallel.tensor import apply_tp_plan, take_tp_layouts
@@ -29,6 +31,8 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
     *,
     mesh: DeviceMesh | dist.ProcessGroup | None = None,
     expert_mesh: DeviceMesh | None = None,
+    device: torch.device | str | None = None,
+    init_fn: InitFn | None = None,
 ) -> nn.Module:
     """Shard `module`'s large weights across the GTP group, in place, and return `module`.
 
@@ -48,6 +52,16 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             and sharded over egtp, and the experts modules of its `expert_parallel` exchange
             their tokens over ep (see [Note: expert stacks over the expert mesh]). Default:
             the whole world is one egtp group.
+        device: where a model built under `torch.device("meta")` is allocated: only this
+            rank's shards, its replicated parameters and its buffers (default: the mesh's
+            device type, else "cuda" where a GPU is present, else "cpu"). Every weight then
+            gets the values the unwrapped model built with the same seed on the same device
+            type has: each module's `reset_parameters()` and the root's `_init_weights(module)`
+            are replayed in order, one module's weights staged whole at a time (see [Note:
+            replaying the inits]). Seed every rank the same before building.
+        init_fn: for a meta-device model, `init_fn(module, name, local, offset)` writes the
+            values of each parameter and buffer into `local`, this rank's part of it, which
+            starts at `offset` of the whole: instead of the replay, nothing staged.
 
     After wrapping, the module keeps its class, methods and parameter names; outside
     forward/backward its sharded parameters hold this rank's rows. Every use inside a forward
@@ -65,15 +79,20 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             f"the parameters are on several devices {sorted(map(str, devices))}; move the "
             "model to one device before wrapping"
         )
-    device = devices.pop() if devices else torch.device("cpu")
-    if device.type == "meta":
+    tp_plan = plan_tensor_parallel(module, resolved)
+    on_meta = check_meta(module, has_tp=bool(tp_plan) or _has_dtensors(module))
+    if on_meta:
+        device = _target_device(device, mesh)
+    elif init_fn is not None or device is not None:
         raise WrapError(
-            "the model is on the meta device; materialize it (e.g. model.to_empty(device=...) "
-            "and initialize) before wrapping"
+            "device= and init_fn= are for a model built on the meta device; this one is on "
+            f"{devices.pop() if devices else 'no device'}: move it yourself, or build it under "
+            'torch.device("meta")'
         )
+    else:
+        device = devices.pop() if devices else torch.device("cpu")
     experts = any(rule.group == "egtp" for rule in resolved.rules)
     gtp_mesh = resolve_mesh(mesh, device, expert_mesh, experts)
-    tp_plan = plan_tensor_parallel(module, resolved)
     apply_tp_plan(module, tp_plan, gtp_mesh)  # the policy's `tp` rules, checked first
     registered = [(m, dict(m._parameters)) for m in module.modules()]
     try:
@@ -93,13 +112,37 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
                 "model: build the model again before wrapping it again."
             )
         raise
+    if on_meta:
+        check_same_generators(engine.agreement, device)
+        materialize_meta(
+            module, engine.weights, gather_whole(engine), local_offset(engine), init_fn
+        )
     install_state_dict_hooks(module, engine)
     attach(module, engine)
     blocks = blocks_on_gathered_weights(module, resolved)
     if blocks:
         gather_per_block(module, blocks)
-    dispatch_tokens(experts_modules, gtp_mesh.ep)  # around whatever runs their forward now
+    dispatch_tokens(experts_modules, engine.comm)
     return module
+
+
+def _has_dtensors(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _target_device(device: torch.device | str | None, mesh: Any) -> torch.device:
+    """Where a meta-device model goes: `device`, or the mesh's device type, or a GPU where
+    there is one (the current one), or the CPU."""
+    if device is None:
+        kind = getattr(mesh, "device_type", None)
+        kind = kind or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(kind)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "meta":
+        raise WrapError("device='meta': give the device the shards are allocated on")
+    return device
 
 
 __all__ = ["GTPWrap", "engine_of", "no_sync", "reset_stats", "stats"]

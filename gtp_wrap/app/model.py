@@ -105,6 +105,9 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(n, 2 * ffn, d))
         self.down = nn.Parameter(torch.empty(n, d, ffn))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         for w in (self.gate_up, self.down):
             nn.init.normal_(w, std=0.02)
 
@@ -220,16 +223,28 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        half = cfg.d // cfg.heads // 2
-        freqs = cfg.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
-        angles = torch.outer(torch.arange(cfg.max_seq, dtype=torch.float32), freqs)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-        self.apply(self._init)
+        self.register_buffer(
+            "cos", torch.empty(cfg.max_seq, cfg.d // cfg.heads // 2), persistent=False
+        )
+        self.register_buffer("sin", torch.empty_like(self.cos), persistent=False)
+        self.reset_parameters()
+        self.apply(self._init_weights)
 
-    def _init(self, m: nn.Module) -> None:
+    def reset_parameters(self) -> None:
+        """The RoPE tables (the model's own buffers; its weights are its modules'): what a
+        meta-device build (GTPWrap of a model built under torch.device("meta")) calls again."""
+        half = self.cfg.d // self.cfg.heads // 2
+        freqs = self.cfg.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
+        angles = torch.outer(torch.arange(self.cfg.max_seq, dtype=torch.float32), freqs)
+        with torch.no_grad():
+            self.cos.copy_(angles.cos())
+            self.sin.copy_(angles.sin())
+
+    def _init_weights(self, m: nn.Module) -> None:
+        """Each module's init after its own (Hugging Face's hook name, which a meta-device
+        build calls per module)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 

@@ -183,18 +183,24 @@ def build(
     encodings, packing = make_encodings(
         precision, geometries, [w.fqn for w in weights], storage.compute, storage.params, device
     )
-    _sync_from_rank0(root, plans, comm, layouts, mesh)
+    on_meta = any(p.param.is_meta for p in plans)
+    if on_meta:  # its values come later, from its inits (core/meta_init.py)
+        _allocate_replicated_and_buffers(root, plans, device)
+    else:
+        _sync_from_rank0(root, plans, comm, layouts, mesh)
     for plan, w, encoding, ep in zip(sharded, weights, encodings, eps):
         w.tp, w.ep = layouts.get(id(plan.param)), ep
+        w.unit = plan.fqns[0].rpartition(".")[0] if plan.expert else None
         if w.tp is not None:  # a pass's metadata queries answer as the DTensor would
             w.meta = torch.empty(w.tp.shape, dtype=w.meta.dtype, device="meta")
         geo = w.geometry
         flat = storage.params[geo.dtype]
         whole = plan.param.detach()
         with torch.no_grad():
-            geo.local_view(flat).copy_(
-                geo.local_rows_of(whole if ep is None else ep.local_of(whole))
-            )
+            if not on_meta:
+                geo.local_view(flat).copy_(
+                    geo.local_rows_of(whole if ep is None else ep.local_of(whole))
+                )
         _replace(plan, make_gtp_parameter(geo.local_view(flat), plan.param.requires_grad, w))
         w.encoding = encoding
         w.local = geo.local_view(storage.compute[geo.dtype])
@@ -241,6 +247,24 @@ def _cast_norm_statistics(root: nn.Module, dtype: torch.dtype) -> None:
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.to(dtype)
+
+
+def _allocate_replicated_and_buffers(
+    root: nn.Module, plans: list[ParameterPlan], device: torch.device
+) -> None:
+    """A meta-device model's replicated parameters and its buffers, allocated (not yet
+    initialized) on `device`, registered wherever the meta ones were (and in `plans`)."""
+    for i, plan in enumerate(plans):
+        if plan.shard_dim is None:
+            param = nn.Parameter(
+                torch.empty_like(plan.param, device=device), plan.param.requires_grad
+            )
+            _replace(plan, param)
+            plans[i] = dataclasses.replace(plan, param=param)
+    for module in root.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
 
 
 def _sync_from_rank0(

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
 from ..core.weight import CastWeight, ShardedWeight
@@ -57,6 +59,31 @@ def to_dtensor(engine: GTPEngine, w: ShardedWeight | CastWeight, local: torch.Te
         shape=shape,
         stride=torch.empty(shape, device="meta").stride(),
     )
+
+
+def gather_whole(engine: GTPEngine) -> Callable[[ShardedWeight], torch.Tensor]:
+    """`gather(w)`: the whole logical tensor of a sharded weight, from every rank's part (a
+    collective every rank calls in the same order; in one process, the weight itself)."""
+
+    def gather(w: ShardedWeight) -> torch.Tensor:
+        local = w.param.detach()
+        if engine.mesh.device_mesh is None:
+            return local.clone()
+        return to_dtensor(engine, w, local).full_tensor()
+
+    return gather
+
+
+def local_offset(engine: GTPEngine) -> Callable[[ShardedWeight], tuple[int, ...]]:
+    """`offset_of(w)`: where this rank's part of a sharded weight starts in the whole."""
+
+    def offset_of(w: ShardedWeight) -> tuple[int, ...]:
+        if engine.mesh.device_mesh is None:
+            return (0,) * len(w.geometry.shape)
+        device_mesh, placements, shape = dtensor_layout(engine, w)
+        return tuple(compute_local_shape_and_global_offset(shape, device_mesh, placements)[1])
+
+    return offset_of
 
 
 _Managed = ShardedWeight | CastWeight  # a sharded weight, or a tensor-parallel replicated one
