@@ -73,14 +73,14 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             "unwrapped model once"
         )
     resolved = resolve_policy(policy)
+    tp_plan = plan_tensor_parallel(module, resolved)
+    on_meta = check_meta(module, has_tp=bool(tp_plan) or _has_dtensors(module))
     devices = {p.device for p in module.parameters()}
     if len(devices) > 1:
         raise WrapError(
             f"the parameters are on several devices {sorted(map(str, devices))}; move the "
             "model to one device before wrapping"
         )
-    tp_plan = plan_tensor_parallel(module, resolved)
-    on_meta = check_meta(module, has_tp=bool(tp_plan) or _has_dtensors(module))
     if on_meta:
         device = _target_device(device, mesh)
     elif init_fn is not None or device is not None:
@@ -113,7 +113,8 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             )
         raise
     if on_meta:
-        check_same_generators(engine.agreement, device)
+        if init_fn is None:  # the replay draws from them
+            check_same_generators(engine.agreement, device)
         materialize_meta(
             module, engine.weights, gather_whole(engine), local_offset(engine), init_fn
         )

@@ -1,0 +1,215 @@
+"""GTPWrap of a model built on the meta device: only this rank's part is allocated, and every
+weight gets the unwrapped model's seeded values, bitwise, whatever the world, mesh and policy;
+the memory of a wrap stays at the shards plus one weight."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from harness import cached_ranks, caught, mesh_2d, run_ranks
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import gtp_wrap
+from gtp_wrap import GTPWrap
+from gtp_wrap.app.model import GPT, GPTConfig
+
+CFG = GPTConfig(vocab=66, d=32, layers=2, heads=4, ffn=48, max_seq=16)
+MOE = dataclasses.replace(CFG, experts=4, top_k=2, moe_ffn=16)
+EXPERTS = {"rules": [{"match": "*.experts.*", "dim": 1, "group": "egtp"}, {"match": "Linear"},
+                     {"match": "Embedding"}], "expert_parallel": ["Experts"]}  # fmt: skip
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    )  # fmt: skip
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "gpt": lambda: GPT(CFG),
+    "moe": lambda: GPT(MOE),
+    "llama": _llama,
+}
+
+
+def _built(make: Callable[[], nn.Module], meta: bool) -> nn.Module:
+    torch.manual_seed(0)
+    if not meta:
+        return make()
+    with torch.device("meta"):
+        return make()
+
+
+def _compare(name: str, policy: dict, mesh: Any = None, expert_mesh: Any = None) -> dict:
+    """The meta-built wrapped model against the unwrapped one built eagerly with the seed (every
+    weight and buffer), and against that one wrapped the same way (a forward: the compute
+    copies and casts were made from the values the replay wrote)."""
+    ref = _built(MODELS[name], meta=False)
+    model = GTPWrap(_built(MODELS[name], meta=True), policy, mesh=mesh, expert_mesh=expert_mesh,
+                    device="cpu")  # fmt: skip
+    full = gtp_wrap.full_state_dict(model)
+    buffers = dict(model.named_buffers())
+    eager = GTPWrap(_built(MODELS[name], meta=False), policy, mesh=mesh, expert_mesh=expert_mesh)
+    idx = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    out = model(idx)
+    want = eager(idx)
+    if not isinstance(out, torch.Tensor):
+        out, want = out.logits, want.logits
+    return {
+        "params": [k for k, v in ref.state_dict().items() if not torch.equal(full[k], v)],
+        "buffers": [k for k, v in ref.named_buffers() if not torch.equal(buffers[k], v)],
+        "forward": torch.equal(out, want),
+    }
+
+
+def _cases(rank: int, world: int) -> dict:
+    policy = {"min_shard_numel": 0}
+    out = {
+        "gpt": _compare("gpt", policy),
+        "llama": _compare("llama", policy),
+        "gpt_bf16": _compare("gpt", {**policy, "param_dtype": "bfloat16"}),
+        "moe_egtp": _compare("moe", {**EXPERTS, **policy}),
+    }
+    if world == 4:
+        out["gpt_2x2"] = _compare("gpt", policy, mesh=mesh_2d(2, 2))
+        mesh, expert_mesh = gtp_wrap.make_mesh(gtp=4, ep=2, egtp=2)
+        out["moe_ep2_egtp2"] = _compare("moe", {**EXPERTS, **policy}, mesh, expert_mesh)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_meta_init_is_the_seeded_unwrapped_model_bitwise(world: int) -> None:
+    results = [_cases(0, 1)] if world == 1 else cached_ranks(_cases, world, timeout=300.0)
+    for r in results:
+        assert len(r) == (4 if world < 4 else 6)
+        for case, got in r.items():
+            assert got == {"params": [], "buffers": [], "forward": True}, case
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes of CPU tensor storages alive at once, among those that torch ops
+    made inside it: an allocator's high-water mark for what the body allocates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.views: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            try:
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+            except RuntimeError:  # a wrapper without storage of its own
+                continue
+            if not ptr:
+                continue
+            if ptr not in self.views:
+                self.views[ptr], self.size[ptr] = 0, storage.nbytes()
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+            self.views[ptr] += 1
+            weakref.finalize(t, self._drop, ptr)
+        return out
+
+    def _drop(self, ptr: int) -> None:
+        self.views[ptr] -= 1
+        if not self.views[ptr]:
+            del self.views[ptr]
+            self.now -= self.size.pop(ptr)
+
+
+BIG = GPTConfig(vocab=4096, d=256, layers=4, heads=4, ffn=688, max_seq=32)
+
+
+def _wrap_memory(rank: int, world: int, meta: bool) -> dict:
+    torch.manual_seed(0)
+    with LiveBytes() as live:
+        if meta:
+            with torch.device("meta"):
+                model = GPT(BIG)
+            GTPWrap(model, {"min_shard_numel": 0}, device="cpu")
+        else:
+            model = GTPWrap(GPT(BIG), {"min_shard_numel": 0})
+    with torch._C.DisableTorchFunctionSubclass():
+        kept = sum(p.numel() * p.element_size() for p in model.parameters())
+        largest = max(p.numel() for p in GPT(BIG).parameters()) * 4
+    return {"peak": live.peak, "kept": kept, "largest": largest}
+
+
+def test_a_meta_wrap_allocates_shards_and_one_weight() -> None:
+    """On 4 ranks: at most 1.1 x (this rank's shards and replicated parameters + the largest
+    weight, staged whole). The same check on a model built whole first fails."""
+    for r in run_ranks(_wrap_memory, 4, True):
+        assert r["peak"] <= 1.1 * (r["kept"] + r["largest"]), r
+        assert r["kept"] < BIG.n_params * 4 / 3  # a quarter of the model, and replicated norms
+    whole = run_ranks(_wrap_memory, 2, False)[0]
+    assert whole["peak"] > 1.1 * (whole["kept"] + whole["largest"])
+
+
+def _refusals(rank: int, world: int) -> dict:
+    with torch.device("meta"):
+        different = GPT(CFG)
+
+    def seeded_differently() -> None:
+        torch.manual_seed(rank)
+        GTPWrap(different, {"min_shard_numel": 0}, device="cpu")
+
+    with torch.device("meta"):
+        partly = GPT(CFG)
+    partly.norm.to_empty(device="cpu")
+    with torch.device("meta"):
+        with_tp = GPT(CFG)
+    mesh, _ = gtp_wrap.make_mesh(gtp=1, tp=2)
+    tp = {"rules": [{"match": "blocks.*.attn.qkv", "tp": "colwise"}, {"match": "Linear"}]}
+    return {
+        "seeds": caught(seeded_differently),
+        "partly": caught(lambda: GTPWrap(partly, device="cpu")),
+        "tp": caught(lambda: GTPWrap(with_tp, tp, mesh=mesh, device="cpu")),
+        "not_meta": caught(lambda: GTPWrap(GPT(CFG), device="cpu")),
+    }
+
+
+def test_what_a_meta_wrap_cannot_do_is_refused() -> None:
+    r = cached_ranks(_refusals, 2)[0]
+    assert "random generators in different states" in r["seeds"]
+    assert "partly on the meta device" in r["partly"]
+    assert "tensor parallelism is not supported yet" in r["tp"]
+    assert "for a model built on the meta device" in r["not_meta"]
+
+
+def _custom(rank: int, world: int) -> list[float]:
+    """init_fn: every element is its row's index in the whole weight (norms: ones)."""
+
+    def rows(module: nn.Module, name: str, local: torch.Tensor, offset: tuple[int, ...]) -> None:
+        if local.dim() < 2:
+            local.fill_(1.0)
+            return
+        index = torch.arange(local.shape[0], dtype=local.dtype) + offset[0]
+        local.copy_(index.view(-1, *[1] * (local.dim() - 1)).expand_as(local))
+
+    with torch.device("meta"):
+        model = GPT(CFG)
+    GTPWrap(model, {"min_shard_numel": 0}, device="cpu", init_fn=rows)
+    full = gtp_wrap.full_state_dict(model)
+    want = torch.arange(3 * CFG.d, dtype=torch.float32).view(-1, 1).expand(-1, CFG.d)
+    return [(full["blocks.0.attn.qkv.weight"] - want).abs().max().item()]
+
+
+def test_init_fn_writes_each_ranks_part_at_its_offset() -> None:
+    for r in run_ranks(_custom, 2):
+        assert r == [0.0]
