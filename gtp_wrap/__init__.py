@@ -31,7 +31,7 @@ from .errors import (
 )
 from .graphs import graph_region, graph_step, release_graphs
 from .io import checkpoint
-from .io.pretrained import save_pretrained
+from .io.pretrained import load_pretrained, save_pretrained
 from .io.state_dict import full_state_dict, load_full_state_dict
 from .mesh import make_mesh
 
@@ -63,6 +63,7 @@ __all__ = [
     "graph_region",
     "graph_step",
     "load_full_state_dict",
+    "load_pretrained",
     "make_mesh",
     "no_sync",
     "release_graphs",
