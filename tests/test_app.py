@@ -12,6 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import gtp_wrap
 from gtp_wrap.app.model import GPT, GPTConfig
 from gtp_wrap.app.train import CONFIG_DIR
 from gtp_wrap.config.policy import resolve_policy
@@ -131,6 +132,33 @@ def test_muon_training(tmp_path: Path) -> None:
     assert _metrics(tmp_path / "part")["history"]["loss"] == losses
 
 
+def test_meta_init_and_init_from_train_as_the_whole_model(tmp_path: Path) -> None:
+    """model.init=auto (meta here) takes the steps model.init=full takes, bit for bit on CPU;
+    init_from a file holding those same initial weights takes them again, and one holding
+    other weights does not."""
+    common = ["trainer.steps=3", "trainer.warmup=1"]
+    runs = {"meta": ["model.init=meta"], "full": ["model.init=full"]}
+    torch.manual_seed(0)  # trainer's seed: the initial weights of every run above
+    same = tmp_path / "same.safetensors"
+    gtp_wrap.checkpoint.export_safetensors(same, GPT(GPTConfig(**_tiny())))
+    other = tmp_path / "other.safetensors"
+    torch.manual_seed(1)
+    gtp_wrap.checkpoint.export_safetensors(other, GPT(GPTConfig(**_tiny())))
+    runs |= {"same": [f"init_from={same}"], "other": [f"init_from={other}"]}
+    for name, overrides in runs.items():
+        proc = _train(*common, *overrides, f"out_dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = {name: _metrics(tmp_path / name)["history"]["loss"] for name in runs}
+    assert losses["meta"] == losses["full"] == losses["same"]
+    assert losses["other"] != losses["full"]
+
+
+def _tiny() -> dict:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        model = OmegaConf.to_container(compose("train").model)
+    return {k: v for k, v in model.items() if k != "init"}  # type: ignore[union-attr]
+
+
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
 
@@ -142,9 +170,11 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         cfg = compose("train", overrides=[f"policy={policy}", f"model={model}"])
     # The group's file given as a path composes as Hydra composes it.
     assert resolve_policy(f"{CONFIG_DIR}/policy/{policy}.yaml") == resolve_policy(cfg.policy)
+    model = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "init"}
+    assert cfg.model.init == "auto"
     with torch.device("meta"):
-        gpt = GPT(GPTConfig(**OmegaConf.to_container(cfg.model)))
-    assert sum(p.numel() for p in gpt.parameters()) == GPTConfig(**cfg.model).n_params
+        gpt = GPT(GPTConfig(**model))
+    assert sum(p.numel() for p in gpt.parameters()) == GPTConfig(**model).n_params
 
 
 @pytest.mark.parametrize(
@@ -170,6 +200,8 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("expert_mesh=[3,1]", "expert_mesh=[3, 1]: ep x egtp must divide nproc=2"),
         ("expert_mesh=[2]", "expert_mesh=[2]: give two whole numbers >= 1, [ep, egtp]"),
         ("optimizer=muon optimizer.adjust_lr_fn=rms", "optimizer=muon: Muon: adjust_lr_fn='rms'"),
+        ("model.init=lazy", "model.init='lazy': use auto, meta or full"),
+        ("init_from=/no/such.safetensors", "init_from='/no/such.safetensors' does not exist"),
     ],
 )
 def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:

@@ -14,6 +14,7 @@ import importlib.resources
 import logging
 import logging.config
 import math
+import os
 import sys
 import tempfile
 import time
@@ -82,7 +83,19 @@ def _checkpoints(run_dir: str) -> Path:
 def _validate(cfg: dict, run_dir: str) -> None:
     """Everything a user can get wrong, checked before any rank starts."""
     policy = resolve_policy(cfg["policy"])
-    GPTConfig(**cfg["model"])
+    _model_config(cfg["model"])
+    init = cfg["model"].get("init", "auto")
+    if init not in ("auto", "meta", "full"):
+        raise LaunchError(f"model.init={init!r}: use auto, meta or full")
+    if init == "meta" and (_tp_size(cfg["mesh"]) > 1 or any(r.tp for r in policy.rules)):
+        raise LaunchError(
+            "model.init=meta with tensor parallelism is not supported yet: use model.init=full"
+        )
+    if cfg["init_from"] is not None and not os.path.exists(cfg["init_from"]):
+        raise LaunchError(
+            f"init_from={cfg['init_from']!r} does not exist: give a .safetensors file, an HF "
+            "model.safetensors.index.json, or a directory holding one"
+        )
     if cfg["device"] not in ("auto", "cpu"):
         raise LaunchError(f"device={cfg['device']!r}: use auto (GPUs where present) or cpu")
     on_cpu = cfg["device"] == "cpu" or not torch.cuda.is_available()
@@ -175,6 +188,19 @@ def _lr_lambda(t: dict):
     return factor
 
 
+def _model_config(model: dict) -> GPTConfig:
+    """The model group's GPTConfig (its `init` says how it is built, not what it is)."""
+    return GPTConfig(**{k: v for k, v in model.items() if k != "init"})
+
+
+def _on_meta(cfg: dict, policy: GTPPolicy) -> bool:
+    """Whether the model is built on the meta device and initialized by GTPWrap (model.init:
+    meta, or auto where that is supported: not beside tensor parallelism)."""
+    init = cfg["model"].get("init", "auto")
+    tp = _tp_size(cfg["mesh"]) > 1 or any(rule.tp for rule in policy.rules)
+    return init == "meta" or (init == "auto" and not tp)
+
+
 def _optimizer(model: torch.nn.Module, opt: dict, t: dict) -> torch.optim.Optimizer:
     """The `optimizer` group's choice: AdamW, or Muon with AdamW for the rest (trainer.lr)."""
     if opt["name"] == "adamw":
@@ -235,8 +261,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         logging.config.dictConfig(job_logging)
     out, t = Path(run_dir), cfg["trainer"]
     torch.manual_seed(cfg["seed"])
-    model_cfg = GPTConfig(**cfg["model"])
-    model = GPT(model_cfg).to(device)
+    model_cfg = _model_config(cfg["model"])
     mesh = None
     if cfg["mesh"] is not None:
         names = DP_GTP if len(cfg["mesh"]) == 2 else MESH_DIMS
@@ -250,7 +275,15 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
             device.type, (world // (ep * egtp), ep, egtp), mesh_dim_names=EXPERT_DIMS
         )
     policy: GTPPolicy = resolve_policy(cfg["policy"])
-    GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh)
+    if _on_meta(cfg, policy):  # only this rank's part is ever allocated, then initialized
+        with torch.device("meta"):
+            model = GPT(model_cfg)
+        GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh, device=device)
+    else:
+        model = GPT(model_cfg).to(device)
+        GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh)
+    if cfg["init_from"] is not None:
+        gtp_wrap.load_pretrained(model, cfg["init_from"])
     if t["compile"]:
         gtp_wrap.compile(model)  # each block compiled, GTP's gathers between them
     elif t["gather_per_block"]:

@@ -139,7 +139,7 @@ def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
     different weights."""
     with torch._C.DisableTorchFunctionSubclass():
         local = _local(value)
-        return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)
+        return local.untyped_storage().data_ptr(), int(local.storage_offset()), tuple(local.shape)
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
