@@ -5,20 +5,22 @@ the memory of a wrap stays at the shards plus one weight."""
 from __future__ import annotations
 
 import dataclasses
-import weakref
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from harness import cached_ranks, caught, mesh_2d, run_ranks
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.app.model import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from wrap_memory import LiveBytes  # noqa: E402 - the benchmark's own measure
 
 CFG = GPTConfig(vocab=66, d=32, layers=2, heads=4, ffn=48, max_seq=16)
 MOE = dataclasses.replace(CFG, experts=4, top_k=2, moe_ffn=16)
@@ -94,43 +96,6 @@ def test_meta_init_is_the_seeded_unwrapped_model_bitwise(world: int) -> None:
         assert len(r) == (4 if world < 4 else 6)
         for case, got in r.items():
             assert got == {"params": [], "buffers": [], "forward": True}, case
-
-
-class LiveBytes(TorchDispatchMode):
-    """The peak of the bytes of CPU tensor storages alive at once, among those that torch ops
-    made inside it: an allocator's high-water mark for what the body allocates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.views: dict[int, int] = {}
-        self.size: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                continue
-            try:
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-            except RuntimeError:  # a wrapper without storage of its own
-                continue
-            if not ptr:
-                continue
-            if ptr not in self.views:
-                self.views[ptr], self.size[ptr] = 0, storage.nbytes()
-                self.now += storage.nbytes()
-                self.peak = max(self.peak, self.now)
-            self.views[ptr] += 1
-            weakref.finalize(t, self._drop, ptr)
-        return out
-
-    def _drop(self, ptr: int) -> None:
-        self.views[ptr] -= 1
-        if not self.views[ptr]:
-            del self.views[ptr]
-            self.now -= self.size.pop(ptr)
 
 
 BIG = GPTConfig(vocab=4096, d=256, layers=4, heads=4, ffn=688, max_seq=32)
