@@ -178,3 +178,14 @@ def _custom(rank: int, world: int) -> list[float]:
 def test_init_fn_writes_each_ranks_part_at_its_offset() -> None:
     for r in run_ranks(_custom, 2):
         assert r == [0.0]
+
+
+def test_readme_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Models larger than one device", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own code
+    assert (tmp_path / "gpt.safetensors").stat().st_size > 0
