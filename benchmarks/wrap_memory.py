@@ -8,7 +8,8 @@ Per rank and mode: the seconds from building the model to the end of GTPWrap; th
 allocated meanwhile (the CUDA allocator's high-water mark on GPUs; on CPU ranks the peak of live
 tensor storages that torch ops made, `LiveBytes`, and the growth of the process's peak RSS);
 what the rank keeps (its shards, replicated parameters and buffers); and the bound the meta
-path is held to, 1.1 x (kept + the largest weight, staged whole during the init).
+path is held to, 1.1 x (kept + the largest weight, staged whole during the init). The peak RSS
+is a process's lifetime high-water mark: give one mode per run (`--modes meta`) to read it.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     if not under_torchrun() and not args.cpu:
         raise SystemExit("run under torchrun (see the module docstring), or pass --cpu RANKS")
-    launch(_rank, args.cpu or 1, args, cpu=bool(args.cpu))
+    launch(_rank, args.cpu or 1, args, cpu=bool(args.cpu), oversubscribe=True)
 
 
 if __name__ == "__main__":

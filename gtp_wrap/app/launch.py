@@ -83,13 +83,17 @@ def run_rank(fn: Callable, args: tuple, cpu: bool = False) -> Any:
         dist.destroy_process_group()
 
 
-def launch(fn: Callable, nproc: int, *args: Any, cpu: bool = False) -> None:
+def launch(
+    fn: Callable, nproc: int, *args: Any, cpu: bool = False, oversubscribe: bool = False
+) -> None:
     """Run `fn(device, *args)` on every rank: in this process under torchrun, else spawned.
-    Ranks take one GPU each where there are GPUs, unless `cpu`."""
+    Ranks take one GPU each where there are GPUs, unless `cpu`; `oversubscribe` lets CPU
+    ranks outnumber the cores (for counts and memory, whose figures do not depend on it)."""
     if under_torchrun():
         run_rank(fn, args, cpu)
         return
-    check_local_devices(nproc, cpu)
+    if not (cpu and oversubscribe):
+        check_local_devices(nproc, cpu)
     mp.start_processes(
         _rank_entry, args=(fn, nproc, _free_port(), args, cpu), nprocs=nproc, start_method="spawn"
     )
