@@ -80,6 +80,7 @@ def _cases(rank: int, world: int) -> dict:
         "gpt": _compare("gpt", policy),
         "llama": _compare("llama", policy),
         "gpt_bf16": _compare("gpt", {**policy, "param_dtype": "bfloat16"}),
+        "gpt_fp8": _compare("gpt", {**policy, "param_dtype": "bfloat16", "gather_dtype": "fp8"}),
         "moe_egtp": _compare("moe", {**EXPERTS, **policy}),
     }
     if world == 4:
@@ -93,7 +94,7 @@ def _cases(rank: int, world: int) -> dict:
 def test_meta_init_is_the_seeded_unwrapped_model_bitwise(world: int) -> None:
     results = [_cases(0, 1)] if world == 1 else cached_ranks(_cases, world, timeout=300.0)
     for r in results:
-        assert len(r) == (4 if world < 4 else 6)
+        assert len(r) == (5 if world < 4 else 7)
         for case, got in r.items():
             assert got == {"params": [], "buffers": [], "forward": True}, case
 
@@ -189,3 +190,45 @@ def test_readme_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own code
     assert (tmp_path / "gpt.safetensors").stat().st_size > 0
+
+
+def _graphed_training(rank: int, world: int, meta: bool) -> dict:
+    """4 graph_step steps (bf16, AdamW in the graph) of a GPT built on the GPU, whole or on
+    the meta device."""
+    import torch.nn.functional as F
+
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else device):
+        model = GPT(CFG)
+    policy = {"min_shard_numel": 0, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    GTPWrap(model, policy, **({"device": device} if meta else {}))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=True)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    run = gtp_wrap.graph_step(model, step, warmup=2)
+    losses = []
+    for i in range(4):
+        idx = torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(i))
+        idx = idx.to(device)
+        losses.append(run(idx[:, :-1], idx[:, 1:]).item())
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "state": {k: v.cpu() for k, v in
+                                        gtp_wrap.full_state_dict(model).items()}}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_meta_on_the_gpu_is_the_gpu_build_and_graphs() -> None:
+    """On a GPU the replay draws from the GPU's generator, as a build there does: the same
+    weights, and the same graphed training."""
+    meta = run_ranks(_graphed_training, 1, True, backend="nccl")[0]
+    whole = run_ranks(_graphed_training, 1, False, backend="nccl")[0]
+    assert meta["losses"] == whole["losses"]
+    for k, v in whole["state"].items():
+        assert torch.equal(meta["state"][k], v), k
