@@ -122,3 +122,33 @@ def slot_bytes(param: torch.Tensor) -> int:
 
 def is_sharded(param: torch.Tensor) -> bool:
     return type(getattr(param, "gtp_weight", None)) is ShardedWeight
+
+
+def optimizer_full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every per-element optimizer state tensor as a full tensor, by FQN and name."""
+    from torch.distributed.tensor import DTensor
+
+    from gtp_wrap.io import checkpoint
+
+    out = {}
+    for fqn, state in checkpoint.optimizer_state_dict(model, opt).items():
+        for k, v in state.items():
+            if isinstance(v, DTensor):
+                v = v.full_tensor()
+            if isinstance(v, torch.Tensor) and v.dim():
+                out[f"{fqn}/{k}"] = v.detach().cpu().clone()
+    return out
+
+
+def expert_gathers_per_pass(model: torch.nn.Module) -> dict[str, list[int]]:
+    """By pass kind, the distinct numbers of times each expert stack appears in its chain (one
+    gather per stack per pass: [1])."""
+    from gtp_wrap.api import engine_of
+
+    engine = engine_of(model)
+    name = {w.index: w.fqn for w in engine.weights}
+    stacks = {w.fqn for w in engine.weights if ".experts." in w.fqn}
+    return {
+        str(key[0]): sorted({sum(name[i] == s for i in chain.order) for s in stacks})
+        for key, chain in engine.passes.chains.items()
+    }

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import cached_ranks, caught, run_ranks
+from harness import cached_ranks, caught, expert_gathers_per_pass, run_ranks
 from torch import nn
 
 import gtp_wrap
@@ -86,14 +86,8 @@ def _train(rank: int, world: int, dense: tuple[int, int], ep: int, egtp: int, sk
             o.step()
             o.zero_grad()
     full, want = gtp_wrap.full_state_dict(model), ref.state_dict()
-    engine = engine_of(model)
-    name = {w.index: w.fqn for w in engine.weights}
-    stacks = {w.fqn: w for w in engine.weights if ".experts." in w.fqn}
-    per_pass = {
-        str(key[0]): sorted({sum(name[i] == s for i in chain.order) for s in stacks})
-        for key, chain in engine.passes.chains.items()
-    }
-    w = stacks["blocks.0.mlp.experts.gate_up"]
+    per_pass = expert_gathers_per_pass(model)
+    w = next(w for w in engine_of(model).weights if w.fqn == "blocks.0.mlp.experts.gate_up")
     stats = gtp_wrap.stats(model)
     return {
         "expert_gathers": (stats["expert_gathers"], stats["prefetched_expert_gathers"]),

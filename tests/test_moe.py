@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import cached_ranks, run_ranks
+from harness import cached_ranks, expert_gathers_per_pass, run_ranks
 from torch import nn
 
 import gtp_wrap
@@ -107,13 +107,8 @@ def _moe_ranks(rank: int, world: int) -> dict:
             o.step()
             o.zero_grad()
     full, want = gtp_wrap.full_state_dict(model), ref.state_dict()
-    engine = engine_of(model)
-    name = {w.index: w.fqn for w in engine.weights}
-    stacks = {w.fqn for w in engine.weights if ".experts." in w.fqn}
-    per_pass = {
-        str(key[0]): sorted({sum(name[i] == s for i in chain.order) for s in stacks})
-        for key, chain in engine.passes.chains.items()
-    }
+    stacks = {w.fqn for w in engine_of(model).weights if ".experts." in w.fqn}
+    per_pass = expert_gathers_per_pass(model)
     return {
         "diff": max((full[k] - v).abs().max().item() for k, v in want.items()),
         "stacks": sorted(stacks),

@@ -16,13 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import cached_ranks, local_rows, mesh_2d, run_ranks
-from torch.distributed.tensor import DTensor
+from harness import cached_ranks, local_rows, mesh_2d, optimizer_full, run_ranks
 
 import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.app.model import GPT, GPTConfig
-from gtp_wrap.io import checkpoint
 from gtp_wrap.optim import Muon, muon_param_groups
 from gtp_wrap.optim.newton_schulz import orthogonalize
 
@@ -181,17 +179,6 @@ def test_owners_match_torch_muon_with_two_collectives_per_step(world: int, dp: i
             assert torch.equal(r["local"][name], holder), (name, rank)
 
 
-def _optimizer_full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    out = {}
-    for fqn, state in checkpoint.optimizer_state_dict(model, opt).items():
-        for k, v in state.items():
-            if isinstance(v, DTensor):
-                v = v.full_tensor()
-            if isinstance(v, torch.Tensor) and v.dim():
-                out[f"{fqn}/{k}"] = v.detach().cpu().clone()
-    return out
-
-
 def _saved_at_two(rank: int, world: int, root: str) -> dict:
     torch.manual_seed(0)
     model = GTPWrap(GPT(CFG), POLICY)
@@ -201,7 +188,7 @@ def _saved_at_two(rank: int, world: int, root: str) -> dict:
         opt.step()
         opt.zero_grad()
     gtp_wrap.checkpoint.save(Path(root), model, opt, step=2)
-    return {"model": gtp_wrap.full_state_dict(model), "optim": _optimizer_full(model, opt)}
+    return {"model": gtp_wrap.full_state_dict(model), "optim": optimizer_full(model, opt)}
 
 
 def _loaded_at_four(rank: int, world: int, root: str) -> dict:
@@ -209,7 +196,7 @@ def _loaded_at_four(rank: int, world: int, root: str) -> dict:
     model = GTPWrap(GPT(CFG), POLICY)
     opt = Muon(model.parameters(), lr=LR)
     gtp_wrap.checkpoint.load(gtp_wrap.checkpoint.latest(Path(root)), model, opt)  # type: ignore[arg-type]
-    return {"model": gtp_wrap.full_state_dict(model), "optim": _optimizer_full(model, opt)}
+    return {"model": gtp_wrap.full_state_dict(model), "optim": optimizer_full(model, opt)}
 
 
 def test_momentum_reshards_from_two_ranks_to_one_and_four() -> None:
@@ -220,7 +207,7 @@ def test_momentum_reshards_from_two_ranks_to_one_and_four() -> None:
         plain = GPT(CFG)
         opt = Muon(plain.parameters(), lr=LR)
         gtp_wrap.checkpoint.load(gtp_wrap.checkpoint.latest(Path(root)), plain, opt)  # type: ignore[arg-type]
-        loaded = [{"model": plain.state_dict(), "optim": _optimizer_full(plain, opt)}]
+        loaded = [{"model": plain.state_dict(), "optim": optimizer_full(plain, opt)}]
         loaded += run_ranks(_loaded_at_four, 4, root)
         for got in loaded:
             for part in ("model", "optim"):

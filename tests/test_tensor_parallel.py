@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from harness import cached_ranks, caught, run_ranks
+from harness import cached_ranks, caught, optimizer_full, run_ranks
 from models import tiny_llama_config
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -364,18 +364,6 @@ def test_readme_snippet_trains_as_gtp_alone() -> None:
     assert "tp S" not in alone[0][1]
 
 
-def _optimizer_full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every per-element optimizer state tensor as a full tensor, by FQN and name."""
-    out = {}
-    for fqn, state in checkpoint.optimizer_state_dict(model, opt).items():
-        for k, v in state.items():
-            if isinstance(v, DTensor):
-                v = v.full_tensor()
-            if isinstance(v, torch.Tensor) and v.dim():
-                out[f"{fqn}/{k}"] = v.detach().cpu().clone()
-    return out
-
-
 def _trained_with_state(mesh: Any, tp: bool) -> tuple[GPT, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -399,7 +387,7 @@ def _checkpoints(rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
     saved = checkpoint.save(root, model, opt, step=2)
-    weights, state = gtp_wrap.full_state_dict(model), _optimizer_full(model, opt)
+    weights, state = gtp_wrap.full_state_dict(model), optimizer_full(model, opt)
     written = [
         (key, json.dumps(desc["box"]))
         for r in range(world)
@@ -410,7 +398,7 @@ def _checkpoints(rank: int, world: int) -> dict:
         got = gtp_wrap.full_state_dict(other) if is_wrapped(other) else other.state_dict()
         ok = all(torch.equal(got[k].cpu(), v) for k, v in weights.items())
         if other_opt is not None:
-            got_state = _optimizer_full(other, other_opt)
+            got_state = optimizer_full(other, other_opt)
             ok = ok and all(torch.equal(got_state[k], v) for k, v in state.items())
         return ok
 
