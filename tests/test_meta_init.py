@@ -232,3 +232,30 @@ def test_meta_on_the_gpu_is_the_gpu_build_and_graphs() -> None:
     assert meta["losses"] == whole["losses"]
     for k, v in whole["state"].items():
         assert torch.equal(meta["state"][k], v), k
+
+
+def _checkpoint_round_trip(rank: int, world: int, root: str) -> bool:
+    """A meta-built model trains a step, saves; another meta-built one (other seed) loads it."""
+    import torch.nn.functional as F
+
+    def meta_model(seed: int) -> GPT:
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = GPT(CFG)
+        return GTPWrap(model, {"min_shard_numel": 0}, device="cpu")  # type: ignore[return-value]
+
+    model = meta_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(rank))
+    F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+    opt.step()
+    saved = gtp_wrap.checkpoint.save(Path(root), model, opt, step=1)
+    other = meta_model(1)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    gtp_wrap.checkpoint.load(saved, other, other_opt)
+    want = gtp_wrap.full_state_dict(model)
+    return all(torch.equal(v, want[k]) for k, v in gtp_wrap.full_state_dict(other).items())
+
+
+def test_meta_built_models_checkpoint_and_load(tmp_path: Path) -> None:
+    assert all(run_ranks(_checkpoint_round_trip, 2, str(tmp_path)))
