@@ -466,3 +466,40 @@ def test_hooks_that_do_not_round_trip_are_named(tmp_path) -> None:
     ckpt.save(tmp_path, model, step=3)
     with pytest.raises(CheckpointError, match=r"saved values: lin\.weight\. The model's"):
         ckpt.load(tmp_path, GTPWrap(_LossyHooks(), POLICY))
+
+
+def test_saves_flush_before_publishing_and_clear_what_dead_saves_left(tmp_path) -> None:
+    """Every file, then the folder, is flushed before the rename publishes it, and the parent
+    after it; a dead save's temporary folder is removed, and a replace interrupted between its
+    renames is undone (its checkpoint put back) or cleared (when published again)."""
+    model = GTPWrap(_model(), POLICY)
+    opt = _optimizer(model)
+    _step(model, opt, 0, 0, 1)
+    ckpt.save(tmp_path, model, opt, step=1)
+    ckpt.save(tmp_path, model, opt, step=2)
+    (tmp_path / ".tmp-step_000009").mkdir()
+    (tmp_path / ".tmp-step_000009" / "rank0.safetensors").write_bytes(b"partial")
+    shutil.copytree(tmp_path / "step_000001", tmp_path / ".old-step_000001")  # republished
+    (tmp_path / "step_000002").rename(tmp_path / ".old-step_000002")  # the only copy
+    events: list[str] = []
+    flush, publish = ckpt._fsync, ckpt._publish
+
+    def flushed(path: Path) -> None:
+        events.append(path.name)
+        flush(path)
+
+    def published(tmp: Path, final: Path) -> None:
+        events.append("rename")
+        publish(tmp, final)
+
+    with mock.patch.object(ckpt, "_fsync", flushed), mock.patch.object(ckpt, "_publish", published):
+        ckpt.save(tmp_path, model, opt, step=3)
+    assert events == ["rank0.safetensors", "rank0.json", "meta.json", ".tmp-step_000003",
+                      "rename", tmp_path.name]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_000001",
+        "step_000002",
+        "step_000003",
+    ]
+    fresh = GTPWrap(TinyGPT(vocab=VOCAB), POLICY)
+    ckpt.load(tmp_path / "step_000002", fresh)  # the restored one loads

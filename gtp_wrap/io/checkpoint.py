@@ -25,6 +25,7 @@ or mesh reads just the overlap of each piece (safetensors slices without reading
 from __future__ import annotations
 
 import json
+import logging
 import operator
 import os
 import re
@@ -47,6 +48,7 @@ from ..errors import CheckpointError, GTPError
 from ..runtime.engine import engine_of, is_wrapped
 from .state_dict import full_state_dict, to_dtensor
 
+log = logging.getLogger(__name__)
 _NAME = re.compile(r"^(?:step|ckpt)_(\d{6,})$")
 _FORMAT = 1
 
@@ -182,6 +184,8 @@ def save(
     if step is not None:
         step = _checked_step(step)
     root.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # before the agreement below, which no rank passes without rank 0
+        _remove_stale(root)
     names = (p.name.removeprefix(".tmp-") for p in root.iterdir())
     numbers = [int(m.group(1)) for n in names if (m := _NAME.match(n))]
     proposal = [step, 1] if step is not None else [max(numbers, default=0) + 1, 0]
@@ -226,6 +230,8 @@ def save(
         save_file(mine, str(file))
         crc = zlib.crc32(file.read_bytes())
         (tmp / f"rank{rank}.json").write_text(json.dumps({"crc32": crc, "pieces": index}))
+        for written in (file, tmp / f"rank{rank}.json"):
+            _fsync(written)
         cause: Exception | None = None
     except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
         cause = e
@@ -243,7 +249,10 @@ def save(
         ) from cause
     if rank == 0:
         (tmp / "meta.json").write_text(meta_text)
+        _fsync(tmp / "meta.json")
+        _fsync(tmp)  # the folder's entries, before the rename publishes them
         _publish(tmp, final)
+        _fsync(root)  # the rename itself, before anything (a prune) relies on it
     engine.agreement.exchange("checkpoint-published", [1], "the publishing of a checkpoint")
     return final
 
@@ -257,6 +266,40 @@ def _checked_step(step: Any) -> int:
     if isinstance(step, bool) or value < 0:
         raise CheckpointError(f"step must be an int >= 0 (the training step), got {step!r}")
     return value
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to the disk.
+
+    [Note: durable before published] A checkpoint is published by renaming its folder, and
+    older ones are pruned after that. Without a flush first, a power loss after the rename
+    could leave the renamed folder holding empty or partial files (the CRC would catch them
+    at load, with the previous checkpoint already pruned). So every file is flushed before
+    its rank reports it written, the folder before the rename, and the parent after it.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(root: Path) -> None:
+    """Clear what saves that died left under `root`, before a new save starts (saves are
+    collective and one at a time, so no live save owns any of it): `.tmp-*` folders are
+    removed; an `.old-*` folder (a replace interrupted between its two renames) is removed if
+    its checkpoint was published again, else put back, since it is the published one."""
+    for stale in sorted(root.glob(".tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+        log.warning("removed %s, left by a checkpoint save that did not finish", stale)
+    for old in sorted(root.glob(".old-*")):
+        published = old.with_name(old.name.removeprefix(".old-"))
+        if published.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            log.warning("removed %s, left by a checkpoint replace that did not finish", old)
+        else:
+            old.rename(published)
+            log.warning("restored %s from %s (a replace that did not finish)", published, old)
 
 
 def _publish(tmp: Path, final: Path) -> None:
