@@ -24,11 +24,13 @@ from .errors import (
     CollectiveTimeoutError,
     GraphCaptureError,
     GTPError,
+    NonFiniteError,
     PeerFailedError,
     PolicyError,
     PolicyWarning,
     WrapError,
 )
+from .finite import nonfinite_grads
 from .graphs import graph_region, graph_step, release_graphs
 from .io import checkpoint
 from .io.pretrained import load_pretrained, save_pretrained
@@ -49,6 +51,7 @@ __all__ = [
     "GTPPolicy",
     "GTPWrap",
     "LayerRule",
+    "NonFiniteError",
     "ParameterRow",
     "PeerFailedError",
     "PolicyError",
@@ -65,6 +68,7 @@ __all__ = [
     "load_full_state_dict",
     "load_pretrained",
     "make_mesh",
+    "nonfinite_grads",
     "no_sync",
     "release_graphs",
     "reset_stats",

@@ -18,6 +18,7 @@ from .config.policy import PolicySpec, resolve_policy
 from .core.meta_init import InitFn, check_meta, check_same_generators, materialize_meta
 from .core.parameter import GTPParameter
 from .errors import WrapError
+from .finite import check_at_steps
 from .io.state_dict import gather_whole, install_state_dict_hooks, local_offset
 from .mesh import resolve_mesh
 from .parallel.experts import dispatch_tokens, plan_experts
@@ -120,6 +121,8 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
         )
     install_state_dict_hooks(module, engine)
     attach(module, engine)
+    if resolved.check_finite:
+        check_at_steps(module)
     blocks = blocks_on_gathered_weights(module, resolved)
     if blocks:
         gather_per_block(module, blocks)

@@ -43,3 +43,7 @@ class GraphCaptureError(GTPError, RuntimeError):
 
 class CheckpointError(GTPError, RuntimeError):
     """A checkpoint cannot be written or read: missing, corrupted, or of another model."""
+
+
+class NonFiniteError(GTPError, FloatingPointError):
+    """A gradient holds NaN or Inf after its reduction (GTPPolicy.check_finite)."""

@@ -201,6 +201,7 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("expert_mesh=[2]", "expert_mesh=[2]: give two whole numbers >= 1, [ep, egtp]"),
         ("optimizer=muon optimizer.adjust_lr_fn=rms", "optimizer=muon: Muon: adjust_lr_fn='rms'"),
         ("model.init=lazy", "model.init='lazy': use auto, meta or full"),
+        ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore': use raise or skip"),
         ("init_from=/no/such.safetensors", "init_from='/no/such.safetensors' does not exist"),
     ],
 )

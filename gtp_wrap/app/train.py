@@ -9,6 +9,7 @@ it up: the console and the run directory's train.log.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.resources
 import logging
@@ -119,6 +120,8 @@ def _validate(cfg: dict, run_dir: str) -> None:
     for key in ("steps", "batch", "seq", "accumulation", "eval_batches"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be a whole number >= 1")
+    if t.get("on_nonfinite") not in ("raise", "skip"):
+        raise LaunchError(f"trainer.on_nonfinite={t.get('on_nonfinite')!r}: use raise or skip")
     for key in ("compile", "gather_per_block"):
         if not isinstance(t[key], bool):
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be true or false")
@@ -274,7 +277,8 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         expert_mesh = init_device_mesh(
             device.type, (world // (ep * egtp), ep, egtp), mesh_dim_names=EXPERT_DIMS
         )
-    policy: GTPPolicy = resolve_policy(cfg["policy"])
+    # Every step's gradients are checked: a non-finite one raises (naming the weight) or skips.
+    policy = dataclasses.replace(resolve_policy(cfg["policy"]), check_finite=True)
     if _on_meta(cfg, policy):  # only this rank's part is ever allocated, then initialized
         with torch.device("meta"):
             model = GPT(model_cfg)
@@ -338,9 +342,15 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
                 loss_sum += loss.detach()
                 if model_cfg.experts:
                     expert_tokens += model.tokens_per_expert()
-            if t["grad_clip"]:
-                gtp_wrap.clip_grad_norm_(model, t["grad_clip"])
-            optim.step()
+            bad = gtp_wrap.nonfinite_grads(model) if t["on_nonfinite"] == "skip" else []
+            if bad:
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                log.warning("step %d skipped: the gradient of '%s'%s is not finite",
+                            step + 1, bad[0], more)  # fmt: skip
+            else:
+                if t["grad_clip"]:
+                    gtp_wrap.clip_grad_norm_(model, t["grad_clip"])
+                optim.step()  # with on_nonfinite: raise, a NonFiniteError names the weight
             sched.step()
             optim.zero_grad(set_to_none=True)
             loss_value = _mean(loss_sum)

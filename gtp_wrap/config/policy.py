@@ -205,6 +205,12 @@ class GTPPolicy:
             for code whose set of weights used depends on the data (a mixture of experts that
             runs only the experts that got tokens), which per-use gathers cannot follow
             across ranks. Names that match no module are skipped (a warning if none matches).
+        check_finite: at each optimizer step over the model's parameters, check that their
+            reduced gradients (sharded and replicated) are finite, and raise NonFiniteError
+            naming the first weight that is not and the step, on every rank: one small
+            all-reduce and one host read per step, at the step (not in the passes). Not under
+            `graph_step`, whose replays run no host code. `gtp_wrap.nonfinite_grads(model)`
+            makes the same check on demand (to skip a step instead).
         expert_parallel: experts modules (class names, module FQNs or globs) whose forward
             takes `(tokens sorted by expert, tokens per expert)` for all the layer's experts,
             as the reference MoE's `Experts` and torchtitan's `GroupedExperts` do. With an
@@ -231,6 +237,7 @@ class GTPPolicy:
     strict: bool = False
     gather_per_block: tuple[str, ...] = ()
     expert_parallel: tuple[str, ...] = ()
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -242,6 +249,7 @@ class GTPPolicy:
             ("compute_copy", bool),
             ("norm_in_fp32", bool),
             ("strict", bool),
+            ("check_finite", bool),
             ("collective_timeout_s", (int, float)),
         ):
             value = getattr(self, name)

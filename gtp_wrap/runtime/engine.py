@@ -119,6 +119,7 @@ class GTPEngine:
         install_optimizer_hook()
         self.policy, self.mesh, self.device = policy, mesh, device
         self.step = 0  # finished backward passes of the model
+        self.finite_checked = -1  # the step whose gradients were last checked (finite.py)
         self.stats = Stats()
         timeout = policy.collective_timeout_s
         self.watch = Watch(str(next(_engine_ids)), timeout)
