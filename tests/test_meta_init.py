@@ -259,3 +259,66 @@ def _checkpoint_round_trip(rank: int, world: int, root: str) -> bool:
 
 def test_meta_built_models_checkpoint_and_load(tmp_path: Path) -> None:
     assert all(run_ranks(_checkpoint_round_trip, 2, str(tmp_path)))
+
+
+class _Attention(nn.Module):
+    """torch's attention (its init is `_reset_parameters`), a Linear registered twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4)
+        self.shared = nn.Linear(32, 32)
+        self.again = self.shared
+        self.out = nn.Linear(32, 16)
+
+
+class _MaskInConstructor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8)))
+
+
+class _ParentInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 64)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.lin.weight)  # a child's weight, from the parent
+
+
+def _unusual(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = _Attention()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _Attention()
+    GTPWrap(model, {"min_shard_numel": 0, "rules": [{"match": "Linear"},
+                                                     {"match": "MultiheadAttention"}]},
+            device="cpu")  # fmt: skip
+    full = gtp_wrap.full_state_dict(model)
+    out = {"attention": [k for k, v in ref.state_dict().items() if not torch.equal(full[k], v)]}
+    for name, make in (("mask", _MaskInConstructor), ("parent", _ParentInit)):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            built = make()
+        out[name] = caught(lambda b=built: GTPWrap(b, {"min_shard_numel": 0}, device="cpu"))
+    return out
+
+
+def test_unusual_inits_replayed_or_refused() -> None:
+    """torch's attention and a module registered twice are replayed exactly; an init written
+    only in a constructor, or a parent's init of its child's weights, is refused by name."""
+    for r in cached_ranks(_unusual, 2):
+        assert r["attention"] == []
+        assert "left ['mask'] uninitialized" in r["mask"]
+        assert "the init of _ParentInit '' writes weights of its submodules" in r["parent"]
+
+
+def test_load_pretrained_refuses_an_unwrapped_meta_model(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = GPT(CFG)
+    with pytest.raises(gtp_wrap.CheckpointError, match="on the meta device: wrap it first"):
+        gtp_wrap.load_pretrained(model, tmp_path)

@@ -265,3 +265,12 @@ def test_readme_snippet_runs_muon_on_two_ranks() -> None:
     assert sum(r["shown"][0] for r in results) == 3 * matrices
     for r in results:
         assert len(r["losses"]) == 3 and r["shown"][1] == 6 and len(r["shown"][2]) == 2
+
+
+def test_named_parameters_and_sets() -> None:
+    model = GPT(CFG)
+    opt = Muon(model.named_parameters(), lr=LR)
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+    assert opt.param_groups[0]["param_names"][0] == "embed.weight"
+    with pytest.raises(TypeError, match="ordered collection"):
+        Muon(set(model.parameters()))

@@ -283,8 +283,9 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         with torch.device("meta"):
             model = GPT(model_cfg)
         GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh, device=device)
-    else:
-        model = GPT(model_cfg).to(device)
+    else:  # built where the meta build initializes: the same generator, the same weights
+        with torch.device(device):
+            model = GPT(model_cfg)
         GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh)
     if cfg["init_from"] is not None:
         gtp_wrap.load_pretrained(model, cfg["init_from"])

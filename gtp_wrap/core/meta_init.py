@@ -20,7 +20,7 @@ needs `init_fn`, which writes each rank's part directly and stages nothing.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -55,68 +55,106 @@ def materialize_meta(
                         offset = offset_of(w) if w is not None else (0,) * t.dim()
                         init_fn(module, name, t, offset)
             return
-        done: set[int] = set()  # sharded weights initialized once already (tied ones)
-
-        def stage(module: nn.Module) -> contextlib.AbstractContextManager:
-            return _staged(module, sharded, done, gather)
-
-        _construct(root, stage, set())
+        replay = _Replay(root, weights, gather)
+        replay.construct(root)
+        replay.check_all_written()
 
 
-def _construct(
-    module: nn.Module,
-    stage: Callable[[nn.Module], contextlib.AbstractContextManager],
-    initialized: set[int],
-) -> None:
-    """Replay what building `module` ran, in the order it ran it: its children's builds, its
-    own `reset_parameters()`, then, where it defines `_init_weights`, that hook on every module
-    of it (children first) that no inner model initialized already (Hugging Face initializes
-    each nested model in its own constructor, and skips what is initialized when the outer one
-    does)."""
-    for child in module.children():
-        _construct(child, stage, initialized)
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        with stage(module):
-            reset()
-    hook = getattr(module, "_init_weights", None)
-    if callable(hook):
-        for m in _children_first(module):
-            if id(m) not in initialized:
-                initialized.add(id(m))
-                with stage(m):
-                    hook(m)
+class _Replay:
+    """The replay of one model's inits (see [Note: replaying the inits]), and what it wrote."""
 
+    def __init__(
+        self,
+        root: nn.Module,
+        weights: list[ShardedWeight],
+        gather: Callable[[ShardedWeight], torch.Tensor],
+    ) -> None:
+        self.root = root
+        self.sharded = {id(w.param): w for w in weights}
+        self.gather = gather
+        self.done: set[int] = set()  # sharded weights written (a tied one is gathered next)
+        self.built: set[int] = set()  # modules replayed (one registered twice runs once)
+        self.initialized: set[int] = set()  # modules an `_init_weights` hook has seen
+        # The flat storages' version counters (one per dtype, shared by its shards): a body
+        # that moves one wrote a shard it did not stage.
+        self.flats = list({w.geometry.dtype: w.param for w in weights}.values())
+        self.versions = {
+            name: t._version
+            for name, t in [*root.named_parameters(), *root.named_buffers()]
+            if id(t) not in self.sharded
+        }
 
-@contextlib.contextmanager
-def _staged(
-    module: nn.Module,
-    sharded: dict[int, ShardedWeight],
-    done: set[int],
-    gather: Callable[[ShardedWeight], torch.Tensor],
-) -> Iterator[None]:
-    """`module`'s own sharded weights whole on their device for the body, this rank's rows of
-    them written back after it."""
-    staged: list[tuple[str, nn.Parameter, ShardedWeight, torch.Tensor]] = []
-    for name, p in module._parameters.items():
-        w = sharded.get(id(p)) if p is not None else None
-        if w is None or p is None:
-            continue
-        if id(p) in done:
-            whole = gather(w)
-        else:
-            with torch.inference_mode(False):
-                whole = torch.empty(_whole_shape(w), dtype=p.dtype, device=p.device)
-        module._parameters[name] = nn.Parameter(whole, requires_grad=p.requires_grad)
-        staged.append((name, p, w, whole))
-    try:
-        yield
-    finally:
-        for name, p, w, whole in staged:
-            module._parameters[name] = p
+    def construct(self, module: nn.Module) -> None:
+        """Replay what building `module` ran, in the order it ran it: its children's builds,
+        its own `reset_parameters()` (or `_reset_parameters()`, torch's attention's name), then,
+        where it defines `_init_weights`, that hook on every module of it (children first)
+        that no inner model initialized already (Hugging Face initializes each nested model in
+        its own constructor, and skips what is initialized when the outer one does)."""
+        if id(module) in self.built:
+            return
+        self.built.add(id(module))
+        for child in module.children():
+            self.construct(child)
+        reset = getattr(module, "reset_parameters", None) or getattr(
+            module, "_reset_parameters", None
+        )
+        if callable(reset):
+            self.run(module, reset)
+        hook = getattr(module, "_init_weights", None)
+        if callable(hook):
+            for m in _children_first(module):
+                if id(m) not in self.initialized:
+                    self.initialized.add(id(m))
+                    self.run(m, functools.partial(hook, m))
+
+    def run(self, module: nn.Module, init: Callable[[], object]) -> None:
+        """`init()` with `module`'s own sharded weights staged whole, this rank's rows of them
+        written back after it."""
+        staged: list[tuple[str, nn.Parameter, ShardedWeight, torch.Tensor]] = []
+        for name, p in module._parameters.items():
+            w = self.sharded.get(id(p)) if p is not None else None
+            if w is None or p is None:
+                continue
+            if id(p) in self.done:
+                whole = self.gather(w)
+            else:
+                with torch.inference_mode(False):
+                    whole = torch.empty(_whole_shape(w), dtype=p.dtype, device=p.device)
+            module._parameters[name] = nn.Parameter(whole, requires_grad=p.requires_grad)
+            staged.append((name, p, w, whole))
+        before = [f._version for f in self.flats]
+        try:
+            init()
+        finally:
+            for name, p, *_ in staged:
+                module._parameters[name] = p
+        if [f._version for f in self.flats] != before:
+            raise WrapError(
+                f"the init of {type(module).__name__} '{self._name(module)}' writes weights of "
+                "its submodules, which a meta-device build holds as shards (each rank its "
+                "rows): give each submodule a reset_parameters() of its own, or pass init_fn"
+            )
+        for _, p, w, whole in staged:
             local = whole if w.ep is None else w.ep.local_of(whole)
             p.copy_(w.geometry.local_rows_of(local))
-            done.add(id(p))
+            self.done.add(id(p))
+
+    def check_all_written(self) -> None:
+        """Every parameter and buffer must have been written by the replay: one whose init runs
+        only in a constructor would keep uninitialized memory (different on each rank)."""
+        named = dict([*self.root.named_parameters(), *self.root.named_buffers()])
+        missed = [n for n, t in named.items() if id(t) in self.sharded and id(t) not in self.done]
+        missed += [n for n, v in self.versions.items() if named[n]._version == v]
+        if missed:
+            raise WrapError(
+                f"a meta-device build left {missed[:6]}{' ...' if len(missed) > 6 else ''} "
+                "uninitialized: no reset_parameters() or _init_weights() writes them (their "
+                "init runs only in a constructor). Move it into the module's reset_parameters(), "
+                "or pass init_fn to GTPWrap"
+            )
+
+    def _name(self, module: nn.Module) -> str:
+        return next((n for n, m in self.root.named_modules() if m is module), "")
 
 
 def _whole_shape(w: ShardedWeight) -> torch.Size:

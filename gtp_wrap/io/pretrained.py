@@ -93,8 +93,22 @@ def load_pretrained(
     is), keys of the file the model does not have, and shape mismatches raise CheckpointError
     naming them, before anything is written.
     """
-    files = _files_by_key(Path(path))
     targets = model.state_dict(keep_vars=True)
+    with torch._C.DisableTorchFunctionSubclass():
+        held = {_where(t) for t in [*model.parameters(), *model.buffers()]}
+        on_meta = [k for k, v in targets.items() if _local(v).is_meta]
+        copies = [k for k, v in targets.items() if _where(v) not in held]
+    if on_meta:
+        raise CheckpointError(
+            f"the model's {on_meta[:4]} are on the meta device: wrap it first (GTPWrap "
+            "allocates each rank's part), or build it on a device"
+        )
+    if copies:
+        raise CheckpointError(
+            f"the state dict's {copies[:4]} are not the model's own tensors (a module's state "
+            "dict hook converts them): load them with model.load_state_dict instead"
+        )
+    files = _files_by_key(Path(path))
     to_model: dict[str, str] = {}
     for key in files:
         name = rename(key) if rename is not None else key

@@ -77,6 +77,11 @@ class Muon(torch.optim.Optimizer):
             ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
         )  # fmt: skip
+        if isinstance(params, set):
+            raise TypeError(
+                "optimizer parameters must be an ordered collection (a set has another order "
+                "on each rank); give a list"
+            )
         self.orthogonalized = 0
         self.collectives = 0
         self._plan: OwnerPlan | None = None
@@ -86,18 +91,27 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (split by dims when it has no `use_muon`, see the class docstring)."""
         params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError(
+                "optimizer parameters must be an ordered collection (a set has another order "
+                "on each rank); give a list"
+            )
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+
+        def tensor(p: Any) -> torch.Tensor:  # a parameter, or a (name, parameter) pair
+            return p[1] if isinstance(p, tuple) else p
+
         if "use_muon" not in param_group:
             for use_muon, chosen in (
-                (True, [p for p in params if p.ndim >= 2]),
-                (False, [p for p in params if p.ndim < 2]),
+                (True, [p for p in params if tensor(p).ndim >= 2]),
+                (False, [p for p in params if tensor(p).ndim < 2]),
             ):
                 if chosen:
                     self.add_param_group({**param_group, "params": chosen, "use_muon": use_muon})
             return
         group = {**param_group, "params": params}
         if group["use_muon"]:
-            for p in params:
+            for p in map(tensor, params):
                 if p.ndim not in (2, 3):
                     raise ValueError(
                         f"Muon orthogonalizes matrices (2-D) and expert stacks (3-D), not a "
@@ -260,7 +274,10 @@ class Muon(torch.optim.Optimizer):
         per_rank = engine.agreement.exchange(
             "muon-boxes", values, "the exchange of the Muon matrices' boxes"
         )
-        if any(len(v) != len(values) for v in per_rank):
+        shapes = [_full(p).encode() for p in matrices]
+        if any(len(v) != len(values) for v in per_rank) or any(
+            _decoded_shapes(v, len(matrices)) != shapes for v in per_rank
+        ):
             raise RuntimeError(
                 "ranks built Muon over different matrices: give every rank the same param groups"
             )
@@ -304,6 +321,16 @@ def muon_param_groups(
         {"params": matrices, "use_muon": True, **muon},
         {"params": rest, "use_muon": False},
     ]
+
+
+def _decoded_shapes(values: list[int], count: int) -> list[list[int]]:
+    """The logical-shape boxes of `count` matrices in a rank's exchanged values."""
+    shapes, at = [], 0
+    for _ in range(count):
+        shape, at = Box.decode(values, at)
+        _, at = Box.decode(values, at)
+        shapes.append(shape.encode())
+    return shapes
 
 
 def _managed(p: torch.Tensor) -> ShardedWeight | CastWeight | None:
