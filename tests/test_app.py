@@ -210,3 +210,17 @@ def test_bad_input_is_refused_before_training(override: str, message: str, tmp_p
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_non_finite_step_raises_or_is_skipped(tmp_path: Path) -> None:
+    """A learning rate of 1e30 sends the weights to Inf after one step, so the next gradients
+    are not finite: by default the run stops with NonFiniteError naming a weight; with
+    trainer.on_nonfinite=skip the steps are skipped, logged, and the run ends."""
+    common = ["trainer.steps=3", "trainer.warmup=0", "trainer.lr=1e30", "trainer.min_lr=1e30",
+              "trainer.grad_clip=0"]  # fmt: skip
+    raised = _train(*common, f"out_dir={tmp_path / 'raise'}")
+    assert raised.returncode != 0
+    assert "NonFiniteError: the gradient of '" in raised.stderr, raised.stderr[-2000:]
+    skipped = _train(*common, "trainer.on_nonfinite=skip", f"out_dir={tmp_path / 'skip'}")
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert "step 2 skipped: the gradient of '" in (tmp_path / "skip" / "train.log").read_text()
