@@ -160,9 +160,11 @@ def test_owners_match_torch_muon_with_two_collectives_per_step(world: int, dp: i
         assert r["collectives"] == [2, 2, 2]  # one all-to-all each way, for every matrix
     for r in (r[dp, False] for r in spawned):
         # Trained: GTP's reduce-scatter sums the gradients in another order than one process
-        # does, and Newton-Schulz rounds its input to bf16, where an element may then round
-        # to the neighbouring value (a relative 4e-3 of it), so the weights agree to ~1e-4.
-        assert r["diff"] < 1e-3, r["diff"]
+        # does; Newton-Schulz rounds its input to bf16, where an element may then round to the
+        # neighbouring value (a relative 4e-3 of it), and AdamW's normalized step turns the
+        # sign of a near-zero gradient into a whole lr. The weights agree to 1e-4 .. 2e-3,
+        # depending on the CPU's kernels; the case above, with the same gradients, is exact.
+        assert r["diff"] < 5e-3, r["diff"]
     # Each matrix orthogonalized once per step, over all ranks together.
     assert sum(r["orthogonalized"] for r in results) == 3 * results[0]["matrices"]
     # Owners balanced as greedy scheduling promises: the most loaded rank carries at most one
