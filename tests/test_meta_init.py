@@ -322,3 +322,16 @@ def test_load_pretrained_refuses_an_unwrapped_meta_model(tmp_path: Path) -> None
         model = GPT(CFG)
     with pytest.raises(gtp_wrap.CheckpointError, match="on the meta device: wrap it first"):
         gtp_wrap.load_pretrained(model, tmp_path)
+
+
+def _tied_in_a_world_of_one(rank: int, world: int) -> list[str]:
+    """A world of one rank (torch.distributed initialized): the tied head's init restages the
+    embedding it shares, gathered over a group of one."""
+    ref = _built(MODELS["gpt"], meta=False)
+    model = GTPWrap(_built(MODELS["gpt"], meta=True), {"min_shard_numel": 0}, device="cpu")
+    full = gtp_wrap.full_state_dict(model)
+    return [k for k, v in ref.state_dict().items() if not torch.equal(full[k], v)]
+
+
+def test_a_world_of_one_rank() -> None:
+    assert run_ranks(_tied_in_a_world_of_one, 1) == [[]]

@@ -69,7 +69,11 @@ def gather_whole(engine: GTPEngine) -> Callable[[ShardedWeight], torch.Tensor]:
         local = w.param.detach()
         if engine.mesh.device_mesh is None:
             return local.clone()
-        return to_dtensor(engine, w, local).full_tensor()
+        whole = to_dtensor(engine, w, local).full_tensor()
+        # Over a group of one DTensor hands back the local tensor itself: the whole weight
+        # must be a tensor of its own, which the caller may write.
+        same = whole.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        return whole.clone() if same else whole
 
     return gather
 
