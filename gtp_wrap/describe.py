@@ -12,6 +12,7 @@ import dataclasses
 from torch import nn
 
 from .core.weight import CastWeight
+from .io.state_dict import dtensor_shape
 from .runtime.engine import engine_of
 
 
@@ -132,7 +133,7 @@ def describe(model: nn.Module) -> Description:
             local = w.param
             row = ParameterRow(
                 fqn=fqn,
-                shape=tuple((w.tp or w.ep or w.geometry).shape),
+                shape=tuple(dtensor_shape(w)),
                 shard_dim=w.geometry.dim,
                 rule=rule,
                 reason=decision.reason,

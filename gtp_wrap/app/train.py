@@ -88,7 +88,7 @@ def _validate(cfg: dict, run_dir: str) -> None:
     init = cfg["model"].get("init", "auto")
     if init not in ("auto", "meta", "full"):
         raise LaunchError(f"model.init={init!r}: use auto, meta or full")
-    if init == "meta" and (_tp_size(cfg["mesh"]) > 1 or any(r.tp for r in policy.rules)):
+    if init == "meta" and _beside_tp(cfg, policy):
         raise LaunchError(
             "model.init=meta with tensor parallelism is not supported yet: use model.init=full"
         )
@@ -200,8 +200,12 @@ def _on_meta(cfg: dict, policy: GTPPolicy) -> bool:
     """Whether the model is built on the meta device and initialized by GTPWrap (model.init:
     meta, or auto where that is supported: not beside tensor parallelism)."""
     init = cfg["model"].get("init", "auto")
-    tp = _tp_size(cfg["mesh"]) > 1 or any(rule.tp for rule in policy.rules)
-    return init == "meta" or (init == "auto" and not tp)
+    return init == "meta" or (init == "auto" and not _beside_tp(cfg, policy))
+
+
+def _beside_tp(cfg: dict, policy: GTPPolicy) -> bool:
+    """Whether the run uses tensor parallelism (a tp dim, or the policy's tp rules)."""
+    return _tp_size(cfg["mesh"]) > 1 or any(rule.tp for rule in policy.rules)
 
 
 def _optimizer(model: torch.nn.Module, opt: dict, t: dict) -> torch.optim.Optimizer:

@@ -32,19 +32,13 @@ def dtensor_layout(
     expert stack's over the expert mesh (its experts over ep, its rows over egtp), or a
     tensor-parallel block GTP replicates (split over tp only, so one rank of each tp block
     writes it to a checkpoint)."""
-    mesh = engine.mesh
+    mesh, shape = engine.mesh, dtensor_shape(w)
     if type(w) is ShardedWeight and w.axis is mesh.egtp:
         assert mesh.expert_mesh is not None  # expert stacks exist only beside one
-        shape = w.geometry.shape if w.ep is None else w.ep.shape
         return mesh.expert_mesh, mesh.expert_placements(w.geometry.dim), shape
-    tp = w.tp
-    if type(w) is ShardedWeight:
-        dim, shape = w.geometry.dim, w.geometry.shape if tp is None else tp.shape
-    else:
-        assert tp is not None  # a replicated weight is a DTensor only beside tensor parallelism
-        dim, shape = None, tp.shape
+    dim = w.geometry.dim if type(w) is ShardedWeight else None
     assert mesh.device_mesh is not None  # only distributed engines make DTensors
-    return mesh.device_mesh, mesh.placements(dim, None if tp is None else tp.placement), shape
+    return mesh.device_mesh, mesh.placements(dim, None if w.tp is None else w.tp.placement), shape
 
 
 def to_dtensor(engine: GTPEngine, w: ShardedWeight | CastWeight, local: torch.Tensor) -> DTensor:
@@ -78,16 +72,31 @@ def gather_whole(engine: GTPEngine) -> Callable[[ShardedWeight], torch.Tensor]:
     return gather
 
 
+def local_box(
+    engine: GTPEngine, w: ShardedWeight | CastWeight
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of this rank's part of a managed weight in its logical whole, as its
+    DTensor places it (the whole weight in one process)."""
+    if engine.mesh.device_mesh is None:
+        shape = tuple(dtensor_shape(w))
+        return (0,) * len(shape), shape
+    device_mesh, placements, shape = dtensor_layout(engine, w)
+    local, offset = compute_local_shape_and_global_offset(shape, device_mesh, placements)
+    return tuple(offset), tuple(local)
+
+
+def dtensor_shape(w: ShardedWeight | CastWeight) -> torch.Size:
+    """The logical shape of a managed weight: over every tp rank, and an expert stack's over
+    every ep rank."""
+    if isinstance(w, ShardedWeight):
+        return (w.tp or w.ep or w.geometry).shape
+    assert w.tp is not None  # a replicated weight is managed beside tensor parallelism only
+    return w.tp.shape
+
+
 def local_offset(engine: GTPEngine) -> Callable[[ShardedWeight], tuple[int, ...]]:
     """`offset_of(w)`: where this rank's part of a sharded weight starts in the whole."""
-
-    def offset_of(w: ShardedWeight) -> tuple[int, ...]:
-        if engine.mesh.device_mesh is None:
-            return (0,) * len(w.geometry.shape)
-        device_mesh, placements, shape = dtensor_layout(engine, w)
-        return tuple(compute_local_shape_and_global_offset(shape, device_mesh, placements)[1])
-
-    return offset_of
+    return lambda w: local_box(engine, w)[0]
 
 
 _Managed = ShardedWeight | CastWeight  # a sharded weight, or a tensor-parallel replicated one

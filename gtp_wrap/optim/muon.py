@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim.adamw import adamw
 
 from ..core.weight import CastWeight, ShardedWeight
 from ..errors import GraphCaptureError
-from ..io.state_dict import dtensor_layout
+from ..io.state_dict import dtensor_shape, local_box
 from ..runtime.engine import GTPEngine
 from .newton_schulz import adjusted_lr, cost, orthogonalize
 from .owners import Box, OwnerPlan
@@ -86,6 +85,7 @@ class Muon(torch.optim.Optimizer):
         self.collectives = 0
         self._plan: OwnerPlan | None = None
         self._planned: list[torch.Tensor] = []  # the Muon matrices the plan routes, in order
+        self._index: dict[int, int] = {}  # a planned matrix's id -> its place in `_planned`
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -194,7 +194,7 @@ class Muon(torch.optim.Optimizer):
                 "inside the captured step)"
             )
         plan = self._owner_plan(engine)
-        index = {id(p): i for i, p in enumerate(self._planned)}
+        index = self._index
         order = sorted(range(len(items)), key=lambda k: index[id(items[k][0])])
         active = tuple(index[id(items[k][0])] for k in order)
         by_matrix = {index[id(p)]: (p, g, u) for p, g, u in items}
@@ -291,6 +291,7 @@ class Muon(torch.optim.Optimizer):
             boxes_by_rank.append(mine)
         self._plan = OwnerPlan([_shape(p) for p in matrices], boxes_by_rank, dist.get_rank())
         self._planned = matrices
+        self._index = {id(p): i for i, p in enumerate(matrices)}
         return self._plan
 
     def ns_load(self) -> list[int]:
@@ -355,10 +356,8 @@ def _engine_of(params: list[torch.Tensor]) -> GTPEngine | None:
 def _shape(p: torch.Tensor) -> torch.Size:
     """The logical shape of a parameter: the whole matrix, over every rank."""
     w = _managed(p)
-    if isinstance(w, ShardedWeight):
-        return (w.tp or w.ep or w.geometry).shape
-    if isinstance(w, CastWeight) and w.tp is not None:
-        return w.tp.shape
+    if isinstance(w, ShardedWeight) or (isinstance(w, CastWeight) and w.tp is not None):
+        return dtensor_shape(w)
     with torch._C.DisableTorchFunctionSubclass():
         return p.shape
 
@@ -373,6 +372,5 @@ def _box(engine: GTPEngine, p: torch.Tensor) -> Box:
     w = _managed(p)
     if w is None or (isinstance(w, CastWeight) and w.tp is None):
         return _full(p)
-    mesh, placements, shape = dtensor_layout(engine, w)
-    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
-    return Box(tuple(offset), tuple(local))
+    offset, shape = local_box(engine, w)
+    return Box(offset, shape)
