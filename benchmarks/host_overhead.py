@@ -3,13 +3,18 @@
     python benchmarks/host_overhead.py [--weights 16] [--width 64] [--steps 100] [--out f.json]
         [--bias]
     python benchmarks/host_overhead.py --callgrind [--steps 40]     # instructions, world of 1
+    python benchmarks/host_overhead.py --block 4       # blocks of 4 layers on gathered weights
+    python benchmarks/host_overhead.py --device cuda   # world of 1 on a GPU, wall time
 
 A stack of `--weights` tiny `nn.Linear` layers runs forward and backward with and without
 GTPWrap, in a world of 1 (the engine's Python path alone: no collective is issued) and of 2
 spawned gloo ranks (the path with its gathers and reduce-scatters issued). Two policies: fp32
 (the default) and bf16 compute over fp32 masters; both gather one weight per collective
 (`group_numel: 0`), so each use walks the whole per-use path. With `--bias` the layers have
-biases, which are replicated: their gradients take the all-reduce path too.
+biases, which are replicated: their gradients take the all-reduce path too. With `--block K`
+the layers form blocks of K that run on their weights gathered once per call
+(`gtp_wrap.gather_per_block`, as gtp-train runs its transformer blocks) instead of one
+interception per use; the reference is the same nesting without GTP.
 
 Beside the time, each row counts the aten ops a step dispatches (a `TorchDispatchMode`
 counting every op, collectives included) beyond the plain model's, per weight use: the same
@@ -23,9 +28,11 @@ the difference is the steps' own count, without Python's and torch's start-up.
 Note: the figure is the main thread's CPU time (`time.thread_time`), not wall time. Gloo moves
 data on threads of its own and the main thread sleeps while it waits, so CPU time counts what
 the engine's Python and the ops it dispatches cost, and not how long the peer or the loopback
-took. "Per use" divides the step's extra time by two uses per weight: its forward use and its
-re-gather in backward. Each figure is the fastest of `--rounds` rounds of `--steps` steps, with
-the garbage collector held off inside a round (as `timeit` does).
+took. On a GPU (`--device cuda`, world of 1 only) the figure is wall time with the device
+synchronized at the end of each round: the layers are too small for their kernels to be what
+the step waits for. "Per use" divides the step's extra time by two uses per weight: its
+forward use and its re-gather in backward. Each figure is the fastest of `--rounds` rounds of
+`--steps` steps, with the garbage collector held off inside a round (as `timeit` does).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gtp_wrap import GTPWrap  # noqa: E402
+from gtp_wrap import GTPWrap, gather_per_block  # noqa: E402
 
 POLICIES = {
     "fp32": {"min_shard_numel": 0, "group_numel": 0},
@@ -58,9 +65,17 @@ POLICIES = {
 }  # fmt: skip
 
 
-def _model(weights: int, width: int, bias: bool) -> nn.Module:
+def _model(weights: int, width: int, bias: bool, block: int, device: str) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Linear(width, width, bias=bias) for _ in range(weights)))
+    layers = [nn.Linear(width, width, bias=bias, device=device) for _ in range(weights)]
+    if block:
+        layers = [nn.Sequential(*layers[i : i + block]) for i in range(0, weights, block)]
+    return nn.Sequential(*layers)
+
+
+def _wrap(model: nn.Module, policy: dict, block: int) -> nn.Module:
+    GTPWrap(model, policy)
+    return gather_per_block(model, blocks=list(model)) if block else model
 
 
 class _OpCounter(TorchDispatchMode):
@@ -89,7 +104,10 @@ def _ops_per_step(model: nn.Module, x: torch.Tensor, steps: int = 4) -> collecti
 
 
 def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> float:
-    """The fastest round's main-thread CPU time per forward + backward step."""
+    """The fastest round's main-thread CPU time per forward + backward step (wall time with the
+    device synchronized, on a GPU)."""
+    cuda = x.is_cuda
+    clock = time.perf_counter if cuda else time.thread_time
     for _ in range(5):  # the first passes record chains and make buffers
         model(x).sum().backward()
         model.zero_grad(set_to_none=True)
@@ -97,29 +115,34 @@ def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> 
     for _ in range(rounds):
         gc.collect()
         gc.disable()  # a collection landing in one round would be most of its noise
-        start = time.thread_time()
+        start = clock()
         for _ in range(steps):
             model(x).sum().backward()
             model.zero_grad(set_to_none=True)
-        per_round.append((time.thread_time() - start) / steps * 1e6)
+        if cuda:
+            torch.cuda.synchronize()
+        per_round.append((clock() - start) / steps * 1e6)
         gc.enable()
     return min(per_round)
 
 
-def measure(
-    weights: int, width: int, steps: int, rounds: int, bias: bool
-) -> dict[str, dict[str, float]]:
+def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Per policy: the plain and the wrapped step's CPU time and the extra per weight use."""
-    x = torch.randn(4, width)
-    plain = _step_cpu_us(_model(weights, width, bias), x, steps, rounds)
+    weights, steps, rounds = args.weights, args.steps, args.rounds
+
+    def build() -> nn.Module:
+        return _model(weights, args.width, args.bias, args.block, args.device)
+
+    x = torch.randn(4, args.width, device=args.device)
+    plain = _step_cpu_us(build(), x, steps, rounds)
     out = {}
     for name, policy in POLICIES.items():
-        model = GTPWrap(_model(weights, width, bias), policy)
+        model = _wrap(build(), policy, args.block)
         dtype = torch.bfloat16 if "param_dtype" in policy else torch.float32
-        ref = _step_cpu_us(_model(weights, width, bias).to(dtype), x.to(dtype), steps, rounds)
+        ref = _step_cpu_us(build().to(dtype), x.to(dtype), steps, rounds)
         wrapped = _step_cpu_us(model, x, steps, rounds)
         base = ref if dtype != torch.float32 else plain
-        plain_ops = _ops_per_step(_model(weights, width, bias).to(dtype), x.to(dtype))
+        plain_ops = _ops_per_step(build().to(dtype), x.to(dtype))
         gtp_ops = _ops_per_step(model, x)
         extra = {k: gtp_ops[k] - plain_ops[k] for k in gtp_ops | plain_ops}
         out[name] = {
@@ -134,12 +157,14 @@ def measure(
     return out
 
 
-def _run_steps(policy: str, steps: int, weights: int, width: int, bias: bool) -> None:
-    """Wrap the stack at world 1 and run `steps` steps after the warm-up (under valgrind)."""
+def _run_steps(args: argparse.Namespace) -> None:
+    """Wrap the stack at world 1 and run `args.run_steps` steps after the warm-up (under
+    valgrind)."""
     torch.set_num_threads(1)
-    model = GTPWrap(_model(weights, width, bias), POLICIES[policy])
-    x = torch.randn(4, width)
-    for _ in range(5 + steps):
+    model = _model(args.weights, args.width, args.bias, args.block, "cpu")
+    model = _wrap(model, POLICIES[args.policy], args.block)
+    x = torch.randn(4, args.width)
+    for _ in range(5 + args.run_steps):
         model(x).sum().backward()
         model.zero_grad(set_to_none=True)
 
@@ -148,7 +173,7 @@ def _instructions(policy: str, steps: int, args: argparse.Namespace) -> int:
     cmd = [
         "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
         os.path.abspath(__file__), "--run-steps", str(steps), "--policy", policy,
-        "--weights", str(args.weights), "--width", str(args.width),
+        "--weights", str(args.weights), "--width", str(args.width), "--block", str(args.block),
     ] + ["--bias"] * args.bias  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     found = re.search(r"Collected : (\d+)", done.stderr)
@@ -176,7 +201,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        got = measure(args.weights, args.width, args.steps, args.rounds, args.bias)
+        got = measure(args)
         if rank == 0:
             with open(result, "w") as f:
                 json.dump(got, f)
@@ -195,9 +220,13 @@ def main() -> None:
     parser.add_argument("--run-steps", type=int, help=argparse.SUPPRESS)  # one valgrind run
     parser.add_argument("--policy", choices=list(POLICIES), help=argparse.SUPPRESS)
     parser.add_argument("--bias", action="store_true", help="layers with (replicated) biases")
+    parser.add_argument(
+        "--block", type=int, default=0, help="layers per block on gathered weights (0: per use)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a world of 1 only)")
     args = parser.parse_args()
     if args.run_steps is not None:
-        _run_steps(args.policy, args.run_steps, args.weights, args.width, args.bias)
+        _run_steps(args)
         return
     if args.callgrind:
         counted = count_instructions(args)
@@ -209,15 +238,16 @@ def main() -> None:
                 json.dump({"callgrind_world1": counted, "args": vars(args)}, f, indent=1)
         return
     torch.set_num_threads(1)
-    results = {"world1": measure(args.weights, args.width, args.steps, args.rounds, args.bias)}
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        mp.start_processes(
-            _rank, args=(2, os.path.join(tmp, "store"), args, result), nprocs=2,
-            start_method="spawn",
-        )  # fmt: skip
-        with open(result) as f:
-            results["world2_gloo"] = json.load(f)
+    results = {"world1": measure(args)}
+    if args.device == "cpu":  # the gloo world of 2: its collectives' host path too
+        with tempfile.TemporaryDirectory() as tmp:
+            result = os.path.join(tmp, "result.json")
+            mp.start_processes(
+                _rank, args=(2, os.path.join(tmp, "store"), args, result), nprocs=2,
+                start_method="spawn",
+            )  # fmt: skip
+            with open(result) as f:
+                results["world2_gloo"] = json.load(f)
     print(
         f"{'world':<12} {'policy':<6} {'plain us/step':>14} {'GTP us/step':>12} {'us/use':>8}"
         f" {'extra ops/use':>14}"

@@ -177,8 +177,25 @@ def _requested_grads(mode: str) -> dict:
     return {n: p.grad is not None for n, p in model.named_parameters()}
 
 
+class _Scales(torch.nn.Module):
+    """A block whose forward scales its weight in place (as an Embedding's max_norm renorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.mul_(0.5)
+        return self.fc(x)
+
+
 def _misuse() -> dict:
     torch.manual_seed(0)
+    writer = GTPWrap(torch.nn.Sequential(_Scales()), POLICY)
+    gtp_wrap.gather_per_block(writer, blocks=[writer[0]])
+    with torch.no_grad():  # with grad, autograd itself refuses the write to a Function's view
+        written = caught(lambda: writer(torch.randn(2, 32)))
     model = gtp_wrap.gather_per_block(GTPWrap(TinyGPT(), POLICY))
     alone = caught(lambda: model.blocks[0].fc(torch.randn(2, 32)))
     nested = GTPWrap(TinyGPT(), POLICY)
@@ -187,7 +204,12 @@ def _misuse() -> dict:
     # A block around one already on gathered weights takes it over.
     outer = caught(lambda: gtp_wrap.gather_per_block(nested))
     released = "forward" not in vars(nested.blocks[0].fc)
-    return {"alone": alone, "inner": inner, "outer": f"{outer} | released: {released}"}
+    return {
+        "alone": alone,
+        "inner": inner,
+        "outer": f"{outer} | released: {released}",
+        "written": written,
+    }
 
 
 def _cases(rank: int, world: int) -> dict:
@@ -287,6 +309,9 @@ def test_misuse_of_blocks_is_refused_naming_the_fix() -> None:
         assert "call the block, or the model" in misuse["alone"]
         assert "runs on gathered weights already" in misuse["inner"]
         assert misuse["outer"] == "no error | released: True"
+        # An in-place write inside a block would change the gathered copy only.
+        assert misuse["written"].startswith("WrapError: block '0' wrote in place to its weight")
+        assert "'0.fc.weight'" in misuse["written"]
 
 
 def test_readme_snippet_trains_as_eager() -> None:

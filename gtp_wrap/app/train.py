@@ -125,11 +125,6 @@ def _validate(cfg: dict, run_dir: str) -> None:
     for key in ("compile", "gather_per_block"):
         if not isinstance(t[key], bool):
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be true or false")
-    if t["compile"] and t["gather_per_block"]:
-        raise LaunchError(
-            "trainer.compile=true and trainer.gather_per_block=true: a compiled block already "
-            "runs on its gathered weights; set one of them"
-        )
     if not isinstance(t["log_every"], int) or t["log_every"] < 0:
         raise LaunchError(f"trainer.log_every={t['log_every']!r}: must be a whole number >= 0")
     if t["seq"] > cfg["model"]["max_seq"]:
@@ -295,7 +290,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         gtp_wrap.load_pretrained(model, cfg["init_from"])
     if t["compile"]:
         gtp_wrap.compile(model)  # each block compiled, GTP's gathers between them
-    elif t["gather_per_block"]:
+    elif t["gather_per_block"] and not policy.fp8_matmul:  # FP8 GEMMs need per-use gathers
         gtp_wrap.gather_per_block(model)  # eager blocks on their gathered weights
     if rank == 0:
         log.info("what the policy did (gtp_wrap.describe):\n%s", gtp_wrap.describe(model))

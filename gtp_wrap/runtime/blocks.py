@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..core.parameter import GTPParameter
+from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
 from .gather import BlockMembers
 
@@ -77,8 +78,9 @@ class GatheredBlock:
     def _run(self, weights: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         for slot, name, which in self.slots:
             slot[name] = weights[which]
+        versions = [w._version for w in weights]
         try:
-            return self.forward(self.block, *args, **kwargs)
+            out = self.forward(self.block, *args, **kwargs)
         except Exception as error:
             if type(error).__name__ != "InternalTorchDynamoError":
                 raise
@@ -93,6 +95,26 @@ class GatheredBlock:
         finally:
             for slot, name, which in self.slots:
                 slot[name] = self.members.params[which]
+        for w, version, member in zip(weights, versions, self.members.weights):
+            if w._version != version:
+                _refuse_write(self.name, member)
+        return out
+
+
+def _refuse_write(block: str, member: ShardedWeight | CastWeight) -> NoReturn:
+    """[Note: writes inside a block] A block on gathered weights sees plain tensors: an
+    in-place write to one (`nn.Embedding(max_norm=...)`'s renorm, a user's `weight.mul_()`
+    under no_grad) changes the gathered copy, which the next gather overwrites, not the
+    parameter, so training would silently differ from the unwrapped model's. Per-use
+    interception refuses such a write before it happens; here the block's weights' version
+    counters, read before and after its forward, catch it after (a few integer reads per call)."""
+    fqn = member.fqns[0] if isinstance(member, ShardedWeight) else member.fqn
+    raise WrapError(
+        f"block '{block}' wrote in place to its weight '{fqn}' while "
+        "running on its gathered weights: the write changes the gathered copy only. Replicate "
+        "weights that a forward writes (a LayerRule with action='replicate'), or leave this "
+        "block to per-use gathers (no gather_per_block or compile for it)"
+    )
 
 
 def refuse_tracing(where: str) -> NoReturn:
