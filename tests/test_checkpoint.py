@@ -227,6 +227,20 @@ def test_corrupted_checkpoint_is_refused(saved, tmp_path, damage: str) -> None:
         ckpt.load(copy, TinyGPT(vocab=VOCAB))
 
 
+@pytest.mark.parametrize("file", ["meta.json", "rank1.json"])
+def test_a_changed_digit_in_a_json_file_is_refused(saved, tmp_path, file: str) -> None:
+    """A flipped digit leaves valid JSON (a learning rate, a piece's box): its checksum
+    refuses it instead of loading it silently wrong."""
+    root, _ = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt.latest(root), copy)
+    text = (copy / file).read_text()
+    i = next(i for i, c in enumerate(text) if c.isdigit())
+    (copy / file).write_text(text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1 :])
+    with pytest.raises(CheckpointError, match=f"{file} is corrupted"):
+        ckpt.load(copy, TinyGPT(vocab=VOCAB))
+
+
 def test_no_checkpoint_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         ckpt.load(tmp_path, TinyGPT(vocab=VOCAB))

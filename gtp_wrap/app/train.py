@@ -36,7 +36,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import gtp_wrap
 from gtp_wrap import GTPPolicy, GTPWrap
 from gtp_wrap.config.policy import resolve_policy
-from gtp_wrap.errors import PolicyError
+from gtp_wrap.errors import CheckpointError, PolicyError
 from gtp_wrap.mesh import DP_GTP, EXPERT_DIMS, MESH_DIMS
 from gtp_wrap.optim import Muon, muon_param_groups
 
@@ -301,10 +301,12 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     start = 0
     ckpt_root = _checkpoints(run_dir)
-    if cfg["resume"] and (found := checkpoint.latest(ckpt_root)) is not None:
-        extra = checkpoint.load(found, model, optim)
+    if cfg["resume"] and (resumed := _resume(ckpt_root, model, optim, device)) is not None:
+        found, extra = resumed
         start, history = extra["step"], extra["history"]
         sched.load_state_dict(extra["scheduler"])
+        if rank == 0:
+            log.info("resumed from %s (step %d)", found, start)
     elif cfg["resume"] and rank == 0:  # a requeued job's first attempt, or a renamed run
         log.warning(
             "resume=true, but %s holds no checkpoint: starting at step 0. The run directory "
@@ -404,6 +406,45 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
             },
         )
         log.info("run directory: %s (train.log, loss.png, metrics.json, checkpoints/)", out)
+
+
+def _resume(
+    root: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, device: torch.device
+) -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest checkpoint under `root` that loads intact on every rank; its folder and
+    the `extra` it was saved with (None: there is none). A collective: every rank calls it.
+
+    [Note: resume past a damaged checkpoint] A load checks what it reads (the files' checksums,
+    keys and shapes) and each rank reads only the files holding its parts, so a damaged file is
+    found by the ranks that read it. The ranks agree on the verdict and, on any failure, all fall
+    back to the checkpoint before it: a flipped byte on disk costs the steps since that one, not
+    the run. The older load overwrites all the failed one filled in (weights, optimizer state and
+    hyperparameters, RNG states). Every failure is logged with its CheckpointError; with no
+    intact checkpoint left, the newest one's error is raised.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first: CheckpointError | None = None
+    for ckpt in reversed(checkpoint.checkpoints(root)):
+        try:
+            extra, error = checkpoint.load(ckpt, model, optim), None
+        except CheckpointError as e:
+            extra, error = None, e
+        failed = torch.zeros(world, device=device)
+        failed[rank] = error is not None
+        dist.all_reduce(failed)
+        if not failed.any():
+            assert extra is not None  # this rank loaded it
+            return ckpt, extra
+        ranks = failed.nonzero().flatten().tolist()
+        first = first or error or CheckpointError(f"{ckpt} failed to load on rank(s) {ranks}")
+        if error is not None:  # on ranks > 0, logging's last resort prints it to stderr
+            log.warning("rank %d cannot resume from %s: CheckpointError: %s", rank, ckpt, error)
+        if rank == 0:
+            log.warning("resume: %s failed to load on rank(s) %s (CheckpointError); trying the "
+                        "checkpoint before it", ckpt.name, ranks)  # fmt: skip
+    if first is not None:
+        raise first
+    return None
 
 
 def _refuse(error: Exception) -> NoReturn:

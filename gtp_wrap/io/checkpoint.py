@@ -13,6 +13,7 @@ Layout of one checkpoint folder:
 - `rank{r}.json`: for each piece, the logical shape and the box it holds (a range per dim;
   none for a whole tensor); and the file's CRC-32.
 - `meta.json`: world size, optimizer hyperparameters, the caller's `extra`. Written last.
+Each JSON file carries the CRC-32 of its own text (format 2; see `_json_text`).
 
 [Note: no pickle, atomic publish] Everything is safetensors or JSON, so loading never unpickles
 (torch.distributed.checkpoint pickles its metadata). A checkpoint is written into
@@ -50,7 +51,9 @@ from .state_dict import full_state_dict, to_dtensor
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^(?:step|ckpt)_(\d{6,})$")
-_FORMAT = 1
+# 2: every JSON file carries its own checksum (1: only the safetensors files have one).
+_FORMAT = 2
+_JSON_CRC = "json_crc32"
 
 
 # ---- state dicts keyed by FQN ---------------------------------------------------------------
@@ -210,7 +213,7 @@ def save(
             "extra": extra or {},
         }
         try:
-            meta_text = json.dumps(meta)
+            meta_text = _json_text(meta)
         except (TypeError, ValueError) as e:
             raise CheckpointError(
                 f"extra must be JSON-serializable (numbers, strings, lists, dicts; use .item() "
@@ -229,7 +232,7 @@ def save(
         file = tmp / f"rank{rank}.safetensors"
         save_file(mine, str(file))
         crc = zlib.crc32(file.read_bytes())
-        (tmp / f"rank{rank}.json").write_text(json.dumps({"crc32": crc, "pieces": index}))
+        (tmp / f"rank{rank}.json").write_text(_json_text({"crc32": crc, "pieces": index}))
         for written in (file, tmp / f"rank{rank}.json"):
             _fsync(written)
         cause: Exception | None = None
@@ -357,6 +360,11 @@ def _complete(root: Path) -> list[Path]:
     return [p for _, p in sorted(done)]
 
 
+def checkpoints(path: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints under `path` (a directory of them), lowest step first."""
+    return _complete(Path(path))
+
+
 def latest(path: str | os.PathLike) -> Path | None:
     """The complete checkpoint of the highest step under `path`, or None."""
     done = _complete(Path(path))
@@ -392,9 +400,12 @@ def load(
             raise CheckpointError(f"no complete checkpoint in {ckpt}")
         ckpt = found
     meta = _read_json(ckpt / "meta.json")
+    checked = meta.get("format", 1) >= 2
     pieces: dict[str, list[dict]] = {}
+    crcs: dict[str, int] = {}
     for r in range(meta["world"]):
-        info = _read_json(ckpt / f"rank{r}.json")
+        info = _read_json(ckpt / f"rank{r}.json", required=checked)
+        crcs[f"rank{r}"] = info["crc32"]
         for key, desc in info["pieces"].items():
             pieces.setdefault(key, []).append(desc | {"file": f"rank{r}", "crc32": info["crc32"]})
 
@@ -424,7 +435,7 @@ def load(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == meta["world"]:
-        rng = reader.read_all(f"rank{rank}", ["rng/cpu", "rng/cuda"])
+        rng = reader.read_all(f"rank{rank}", ["rng/cpu", "rng/cuda"], crcs[f"rank{rank}"])
         torch.set_rng_state(rng["rng/cpu"])
         if "rng/cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["rng/cuda"])
@@ -492,13 +503,38 @@ def _same_values(now: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.equal(now, want)
 
 
-def _read_json(path: Path) -> dict:
+def _json_text(obj: dict[str, Any]) -> str:
+    """`obj` as JSON, with the CRC-32 of that JSON's text added as its last key.
+
+    [Note: checksummed JSON] A flipped byte in a checkpoint's JSON can leave it valid JSON that
+    loads silently wrong: a digit of a learning rate, or of a piece's box (rows left unfilled).
+    So each JSON file carries the CRC-32 of its text without the checksum, which a load checks
+    by writing the parsed object out again: JSON written by `json.dumps` reads back to an object
+    that `json.dumps` writes as the same text (key order, float repr and escapes round-trip).
+    """
+    text = json.dumps(obj)
+    return json.dumps({**obj, _JSON_CRC: zlib.crc32(text.encode())})
+
+
+def _read_json(path: Path, required: bool = False) -> dict:
+    """A checkpoint's JSON file, its checksum checked. Only the files of a format-1 checkpoint
+    have none: a file without one is refused where `required` (its checkpoint's meta.json says
+    format 2 or later) or where the file says so itself (meta.json)."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError as e:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupted ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is corrupted (not a JSON object)")
+    crc = data.pop(_JSON_CRC, None)
+    fmt = data.get("format", 1)
+    if crc is None and not required and isinstance(fmt, int) and fmt < 2:
+        return data
+    if crc is None or zlib.crc32(json.dumps(data).encode()) != crc:
+        raise CheckpointError(f"{path} is corrupted (checksum mismatch); load an older checkpoint")
+    return data
 
 
 def _check_keys(ckpt: Path, targets: dict[str, Any], pieces: dict[str, list[dict]]) -> None:
@@ -544,8 +580,8 @@ class _Reader:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file} cannot be read ({e})") from e
 
-    def read_all(self, name: str, keys: list[str]) -> dict[str, torch.Tensor]:
-        with self._open(name) as f:
+    def read_all(self, name: str, keys: list[str], crc: int) -> dict[str, torch.Tensor]:
+        with self._open(name, crc) as f:
             available = set(f.keys())
             return {k: f.get_tensor(k) for k in keys if k in available}
 
