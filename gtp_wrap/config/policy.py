@@ -175,8 +175,10 @@ class GTPPolicy:
         reduce_dtype: the dtype weight gradients are reduce-scattered in ("float32"); None
             uses param_dtype's gradients as they come.
         gather_dtype: "fp8" to gather float8_e4m3fn shards with a scale per 128-element block
-            (quantized once per step, dequantized to param_dtype for the GEMM); None gathers in
-            param_dtype.
+            (quantized once per step, dequantized to param_dtype for the GEMM; 1.03 bytes per
+            element); "nvfp4" to gather 4-bit E2M1 values with an E4M3 scale per 16 elements
+            and an fp32 scale per shard (0.56 bytes per element, for slow links; always
+            dequantized, see precision/nvfp4.py); None gathers in param_dtype.
         fp8_matmul: with gather_dtype "fp8", run the forward GEMM of each Linear in FP8
             (torch._scaled_mm, on GPUs with FP8 tensor cores and on CPUs): weights are then
             quantized with one scale per row and fed to the GEMM without dequantization, and
@@ -259,16 +261,16 @@ class GTPPolicy:
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
                 raise PolicyError(f"{name}={value!r} is not a dtype; use one of {sorted(_DTYPES)}")
-        if self.gather_dtype not in (None, "fp8", "float8_e4m3fn"):
+        if self.gather_dtype not in (None, "fp8", "float8_e4m3fn", "nvfp4"):
             raise PolicyError(
-                f"gather_dtype={self.gather_dtype!r} is not supported; use 'fp8' or null"
+                f"gather_dtype={self.gather_dtype!r} is not supported; use 'fp8', 'nvfp4' or null"
             )
         if self.collectives not in _COLLECTIVES:
             raise PolicyError(
                 f"collectives={self.collectives!r} is not supported; use one of {_COLLECTIVES}"
             )
         bf16 = _DTYPES.get(self.param_dtype or "") is torch.bfloat16
-        if self.fp8_matmul and (self.gather_dtype is None or not bf16):
+        if self.fp8_matmul and (self.gather_dtype in (None, "nvfp4") or not bf16):
             raise PolicyError(
                 "fp8_matmul feeds the gathered FP8 weights to the GEMM, so it needs "
                 "gather_dtype: fp8 and param_dtype: bfloat16 (the GEMM's output dtype)"

@@ -30,7 +30,7 @@ from ..mesh import GTPMesh
 from ..parallel.experts import EPLayout
 from ..parallel.tensor import TPLayout
 from ..precision import fp8
-from ..precision.encoding import FP8Packing, Precision, make_encodings
+from ..precision.encoding import Packing, Precision, make_encodings
 from .parameter import make_gtp_parameter, register_with_optimizers
 from .storage import FlatStorage
 from .weight import CastWeight, Runtime, ShardedWeight
@@ -85,7 +85,7 @@ class Built:
 
     weights: list[ShardedWeight]
     storage: FlatStorage
-    packing: FP8Packing | None
+    packing: Packing | None
     cast_weights: list[CastWeight]
     replicated: list[nn.Parameter]  # as registered now (a cast parameter, or the original)
     replicated_names: list[str]
@@ -165,7 +165,7 @@ def build(
             for p, axis, ep in zip(sharded, axes, eps)
         ],  # fmt: skip
         align=policy.pad_for_alignment,
-        block=fp8.BLOCK if precision.fp8 else 1,
+        block=fp8.BLOCK if precision.packed else 1,  # NVFP4's 16 divides it
     )
     storage = FlatStorage(numels, device, precision.param_dtype if precision.keep_copy else None)
     weights = [

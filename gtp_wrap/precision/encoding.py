@@ -17,13 +17,14 @@ and a group of one, which gathers nothing, keeps the copy its local uses read.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch
 
 from ..config.policy import GTPPolicy, policy_dtype
 from ..errors import PolicyError
 from ..geometry import ShardGeometry
-from . import fp8, fp8_triton
+from . import fp8, fp8_triton, nvfp4, nvfp4_triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +33,10 @@ class Precision:
 
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
-    fp8: bool  # gathers move FP8 (never in a group of one, which gathers nothing)
-    fp8_matmul: bool  # and F.linear uses of weights that fit run as FP8 GEMMs
+    # What gathers move instead of the compute dtype: "fp8" or "nvfp4" packed slots (never in
+    # a group of one, which gathers nothing), or None.
+    packed: str | None
+    fp8_matmul: bool  # FP8 gathers, and F.linear uses of weights that fit run as FP8 GEMMs
     keep_copy: bool  # a compute-dtype copy of the shards is kept (see [Note: no compute copy])
 
     @classmethod
@@ -43,16 +46,18 @@ class Precision:
                 fp8.fp8_dtype()
             except TypeError as e:
                 raise PolicyError(str(e)) from e
-        use_fp8 = policy.gather_dtype is not None and gtp_size > 1
-        fp8_matmul = use_fp8 and policy.fp8_matmul
+        packed = None
+        if policy.gather_dtype is not None and gtp_size > 1:
+            packed = "nvfp4" if policy.gather_dtype == "nvfp4" else "fp8"
+        fp8_matmul = packed == "fp8" and policy.fp8_matmul
         if fp8_matmul:
             fp8.check_gemm_device(device)
         return cls(
             param_dtype=policy_dtype(policy.param_dtype),
             reduce_dtype=policy_dtype(policy.reduce_dtype),
-            fp8=use_fp8,
+            packed=packed,
             fp8_matmul=fp8_matmul,
-            keep_copy=not use_fp8 and (policy.compute_copy or gtp_size == 1),
+            keep_copy=packed is None and (policy.compute_copy or gtp_size == 1),
         )
 
     @property
@@ -106,6 +111,91 @@ class FP8Encoding(Encoding):
         fp8.dequantize_into(gathered, geo.world, geo.slot_numel, out, self.block, fused=self.fused)
 
 
+class NVFP4Encoding(Encoding):
+    """The packed NVFP4 slot (see [Note: NVFP4 layout] in precision/nvfp4.py), decoded into
+    the compute dtype for each use."""
+
+    __slots__ = ("fused",)
+    decodes = True
+
+    def __init__(self, send: torch.Tensor, fused: bool) -> None:
+        super().__init__(send, torch.uint8)
+        self.fused = fused  # the Triton decoding runs here (nvfp4_triton.available)
+
+    def decode_into(self, gathered: torch.Tensor, out: torch.Tensor, geo: ShardGeometry) -> None:
+        nvfp4.dequantize_into(gathered, geo.world, geo.slot_numel, out, fused=self.fused)
+
+
+class Packing(Protocol):
+    """The packed slots gathers send from, re-quantized from the shards once per step when
+    they changed (see [Note: one version counter] in core/storage.py)."""
+
+    slots: list[torch.Tensor]
+
+    def refresh(self) -> int:
+        """Re-quantize the flat tensors whose shards changed; return how many were."""
+        ...
+
+    def invalidate(self) -> None:
+        """Make the next `refresh` re-quantize everything (the shards changed unseen)."""
+        ...
+
+
+def _packed_slots(
+    geometries: list[ShardGeometry], sizes: list[int], params: dict[torch.dtype, torch.Tensor]
+) -> list[torch.Tensor]:
+    """One slot of `sizes[i]` bytes per weight, in one zeroed byte buffer per flat dtype, each
+    slot starting on 16 bytes (its scales stay 4-byte aligned)."""
+    ends: dict[torch.dtype, int] = {}
+    starts = []
+    for geo, size in zip(geometries, sizes):
+        start = -(-ends.get(geo.dtype, 0) // 16) * 16
+        ends[geo.dtype] = start + size
+        starts.append(start)
+    packed = {
+        dtype: torch.zeros(n, dtype=torch.uint8, device=params[dtype].device)
+        for dtype, n in ends.items()
+    }
+    return [
+        packed[geo.dtype][start : start + size]
+        for geo, size, start in zip(geometries, sizes, starts)
+    ]
+
+
+class NVFP4Packing:
+    """The NVFP4 slots of every sharded weight: each shard quantized on its own (its own
+    shard scale), once per step when its flat tensor changed."""
+
+    def __init__(
+        self, geometries: list[ShardGeometry], params: dict[torch.dtype, torch.Tensor]
+    ) -> None:
+        self.params = params
+        self.slots = _packed_slots(
+            geometries, [nvfp4.packed_bytes(g.slot_numel) for g in geometries], params
+        )
+        self._shards: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for geo, slot in zip(geometries, self.slots):
+            shard = params[geo.dtype][geo.offset : geo.offset + geo.slot_numel]
+            self._shards.setdefault(geo.dtype, []).append((shard, slot))
+        self._version: dict[torch.dtype, int] = {}
+
+    def refresh(self) -> int:
+        done = 0
+        for dtype, shards in self._shards.items():
+            flat = self.params[dtype]
+            if self._version.get(dtype) == flat._version:
+                continue
+            with torch.no_grad():
+                for shard, slot in shards:
+                    nvfp4.quantize_into(shard, slot)
+            self._version[dtype] = flat._version
+            done += 1
+        return done
+
+    def invalidate(self) -> None:
+        self._version.clear()
+
+
 class FP8Packing:
     """The packed FP8 slots of every sharded weight, re-quantized from the shards once per
     step when they changed (see [Note: one version counter] in core/storage.py).
@@ -122,28 +212,21 @@ class FP8Packing:
     ) -> None:
         self.params = params
         self.blocks = [g.row_numel if row else fp8.BLOCK for g, row in zip(geometries, by_row)]
-        self.slots: list[torch.Tensor] = []
+        self.slots = _packed_slots(
+            geometries,
+            [fp8.packed_bytes(g.slot_numel, block) for g, block in zip(geometries, self.blocks)],
+            params,
+        )
         self._version: dict[torch.dtype, int] = {}
         # Per dtype: the block-scaled targets (payloads, scales, block ranges of the flat) and
         # the row-scaled ones (rows of the flat, payload, scale).
         self._blocks: dict[torch.dtype, tuple[list, list, list]] = {}
         self._rows: dict[torch.dtype, list[tuple[torch.Tensor, ...]]] = {}
-        ends: dict[torch.dtype, int] = {}
-        starts = []
-        for geo, block in zip(geometries, self.blocks):
-            start = -(-ends.get(geo.dtype, 0) // 16) * 16  # the scales stay 4-byte aligned
-            ends[geo.dtype] = start + fp8.packed_bytes(geo.slot_numel, block)
-            starts.append(start)
-        packed = {
-            dtype: torch.zeros(n, dtype=torch.uint8, device=params[dtype].device)
-            for dtype, n in ends.items()
-        }
-        for dtype in packed:
-            self._blocks[dtype], self._rows[dtype] = ([], [], []), []
-        for geo, block, row_scaled, start in zip(geometries, self.blocks, by_row, starts):
+        for geo in geometries:
+            self._blocks.setdefault(geo.dtype, ([], [], []))
+            self._rows.setdefault(geo.dtype, [])
+        for geo, block, row_scaled, slot in zip(geometries, self.blocks, by_row, self.slots):
             q = fp8.padded(geo.slot_numel, block)
-            slot = packed[geo.dtype][start : start + fp8.packed_bytes(geo.slot_numel, block)]
-            self.slots.append(slot)
             payload, scale = slot[:q], slot[q:].view(torch.float32)
             if row_scaled:
                 rows = params[geo.dtype][geo.offset : geo.offset + q].view(-1, block)
@@ -156,7 +239,6 @@ class FP8Packing:
             ranges.append((first, first + nblocks))
 
     def refresh(self) -> int:
-        """Re-quantize the flat tensors whose shards changed; return how many were."""
         done = 0
         for dtype, flat in self.params.items():
             if dtype not in self._rows or self._version.get(dtype) == flat._version:
@@ -179,7 +261,6 @@ class FP8Packing:
         return done
 
     def invalidate(self) -> None:
-        """Make the next `refresh` re-quantize everything (the shards changed unseen)."""
         self._version.clear()
 
 
@@ -190,9 +271,16 @@ def make_encodings(
     compute: dict[torch.dtype, torch.Tensor],
     params: dict[torch.dtype, torch.Tensor],
     device: torch.device,
-) -> tuple[list[Encoding], FP8Packing | None]:
-    """Each weight's encoding, and the FP8 packing they send from (FP8 gathers only)."""
-    if not precision.fp8:
+) -> tuple[list[Encoding], Packing | None]:
+    """Each weight's encoding, and the packing they send from (FP8 and NVFP4 gathers only)."""
+    if precision.packed == "nvfp4":
+        nvfp4_packing = NVFP4Packing(geometries, params)
+        nvfp4_encodings: list[Encoding] = [
+            NVFP4Encoding(slot, nvfp4_triton.available(device, geo.slot_numel))
+            for geo, slot in zip(geometries, nvfp4_packing.slots)
+        ]
+        return nvfp4_encodings, nvfp4_packing
+    if precision.packed is None:
         encodings: list[Encoding] = []
         for geo in geometries:
             slot = geo.slot(compute[geo.dtype])

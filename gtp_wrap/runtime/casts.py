@@ -19,7 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..core.storage import FlatStorage
 from ..core.weight import CastWeight
-from ..precision.encoding import FP8Packing
+from ..precision.encoding import Packing
 from .stats import Stats
 
 _live: weakref.WeakSet[Casts] = weakref.WeakSet()
@@ -47,7 +47,7 @@ class Casts:
     def __init__(
         self,
         storage: FlatStorage,
-        packing: FP8Packing | None,
+        packing: Packing | None,
         cast_weights: list[CastWeight],
         sharded: list[nn.Parameter],
         stats: Stats,
