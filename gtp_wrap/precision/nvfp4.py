@@ -23,6 +23,8 @@ E2M1 value times the fp32 product of the two scales, rounded once into the outpu
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import nvfp4_triton
@@ -35,6 +37,13 @@ _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _VALUES = _MAGNITUDES + tuple(-m for m in _MAGNITUDES)
 # The midpoints between neighbouring magnitudes: where rounding to nearest changes code.
 _MIDPOINTS = tuple((a + b) / 2 for a, b in zip(_MAGNITUDES, _MAGNITUDES[1:]))
+
+
+@functools.cache
+def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """`values` as an fp32 tensor on `device`, made once: a copy from the host inside a
+    step would be a host sync, and one a CUDA graph cannot capture."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def padded(numel: int) -> int:
@@ -78,7 +87,7 @@ def quantize_into(x: torch.Tensor, out: torch.Tensor) -> None:
 
 def _round_to_e2m1(magnitude: torch.Tensor) -> torch.Tensor:
     """The magnitude code (0-7, uint8) nearest each value in [0, 6], ties to the even code."""
-    midpoints = torch.tensor(_MIDPOINTS, device=magnitude.device)
+    midpoints = _constant(_MIDPOINTS, magnitude.device)
     down = torch.bucketize(magnitude, midpoints, right=False)  # a tie takes the lower code
     up = torch.bucketize(magnitude, midpoints, right=True)  # and here the upper one
     tie_to_even = torch.where(down % 2 == 0, down, up)
@@ -101,6 +110,6 @@ def dequantize_into(
     scale = (block_scale * shard_scale).view(ranks, q // BLOCK, 1)
     payload = slots[:, start:]
     codes = torch.stack((payload & 0xF, payload >> 4), dim=-1).view(ranks, q // BLOCK, BLOCK)
-    table = torch.tensor(_VALUES, dtype=torch.float32, device=packed.device)
+    table = _constant(_VALUES, packed.device)
     values = (table[codes.long()] * scale).view(ranks, q)
     out.view(ranks, numel).copy_(values[:, :numel])
