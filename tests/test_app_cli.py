@@ -77,8 +77,11 @@ def test_setup_cfg_ships_every_package_and_the_configs() -> None:
     found = {
         ".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "gtp_wrap").rglob("__init__.py")
     }
-    assert listed == found | {"gtp_wrap.configs"}
-    assert setup["options"]["package_dir"].split() == ["gtp_wrap.configs", "=", "configs"]
+    assert listed == found | {"gtp_wrap.configs", "gtp_wrap.scaling.calibration"}
+    assert setup["options"]["package_dir"].split() == [
+        "gtp_wrap.configs", "=", "configs",
+        "gtp_wrap.scaling.calibration", "=", "benchmarks/calibration",
+    ]  # fmt: skip
     assert (Path(CONFIG_DIR) / "train.yaml").is_file()
     assert (Path(CONFIG_DIR) / "policy" / "default.yaml").is_file()
 

@@ -1,0 +1,743 @@
+"""Measure a calibration JSON for the cost model (`gtp-plan`) on this machine, in one bounded run.
+
+    python benchmarks/calibrate.py --out benchmarks/calibration/cpu_gloo.json     # CPU, gloo
+    python benchmarks/calibrate.py --out h200_measured.json --model gpt_1p36b      # on a GPU
+
+What it measures, each with a source line in the JSON:
+- compute, in this process (world 1): GEMMs at the model's shapes (forward, input and weight
+  gradients at each batch's token count; rate and per-GEMM cost fitted with the wave model),
+  attention (SDPA forward and backward), the optimizer's memory rate (AdamW over a flat
+  buffer, 28 bytes per element), and the plain model's forward and backward at two batches,
+  whose time beyond GEMMs, attention and loss gives the elementwise bytes per token (slope) and
+  the fixed cost per layer (intercept: host time on a CPU, small kernels on a GPU);
+- host: GTP's time per weight use at world 1 (16 small Linears wrapped and not, as
+  benchmarks/host_overhead.py), and, on gloo, at world 2 less the collectives' own latency;
+- collectives (gloo on CPU for worlds 2 and 4, NCCL for 2 up to all GPUs): flat all-gathers
+  and reduce-scatters of several sizes, fitted to α + (n-2)·hop + (n-1)/n·bytes/GB/s; and the
+  contention: a GEMM loop alone and beside an all-gather loop, each slowed by the other;
+- unless `--no-steps`, training steps of the model at each world and batch, stored as
+  held-out runs for `gtp-plan validate`: GTP's on CPU; bench_step's floor, floor_graph, gtp
+  and gtp_graph on GPUs.
+
+Bound: `--budget-s` (default 280) is checked between parts; whatever would overrun is left
+out and said so. On a GPU machine: `PYTHONPATH=. timeout 300 python benchmarks/calibrate.py
+--model gpt_1p36b --batches 1 8 --out /tmp/h200.json` (NCCL parts need 2+ GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gtp_wrap import GTPWrap  # noqa: E402
+from gtp_wrap.app.launch import launch  # noqa: E402
+from gtp_wrap.app.model import GPT, GPTConfig  # noqa: E402
+from gtp_wrap.scaling.cluster import cluster_from_dict  # noqa: E402
+from gtp_wrap.scaling.mesh import Mesh  # noqa: E402
+from gtp_wrap.scaling.model import MODELS, ModelConfig  # noqa: E402
+from gtp_wrap.scaling.predict import (  # noqa: E402
+    ATTENTION_BACKWARD,
+    LOSS_BYTES,
+    Plan,
+    gemm_s,
+    pass_order,
+    weight_gemms_s,
+)
+
+# The CPU validation model: configs/model/gpt_small's shapes.
+CPU_MODEL = ModelConfig(
+    "cpu_small",
+    vocab=256,
+    d=256,
+    layers=6,
+    heads=8,
+    ffn=688,
+    seq=256,
+    tie_embeddings=True,
+    note="configs/model/gpt_small shapes",
+)
+SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 22)  # elements per collective buffer
+
+
+class Budget:
+    """Seconds left of the run; parts ask before they start."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+        self.skipped: list[str] = []
+
+    def allows(self, part: str, needs_s: float) -> bool:
+        if time.monotonic() + needs_s > self.end:
+            self.skipped.append(part)
+            print(f"calibrate: skipping {part} (the budget would run out)", flush=True)
+            return False
+        return True
+
+
+def src(value: float, source: str) -> dict:
+    return {"value": float(f"{float(value):.6g}"), "source": source}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Fastest seconds of `fn` over `reps` calls after `warmup`: on a shared machine the
+    slower calls measure the neighbours (as host_overhead.py keeps its fastest round)."""
+    times = []
+    for i in range(warmup + reps):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def timed_probed(
+    fn: Callable[[], object], probe: Callable[[], object], device: torch.device, reps: int
+) -> tuple[float, float]:
+    """(fastest `fn`, fastest `probe`), each rep a probe then `fn`: on a shared machine both
+    minima come from the window's quietest moments, so the probe against the calibration's
+    says how much slower the ranks computed while `fn` was timed."""
+    fn()
+    fns, probes = [], []
+    for _ in range(reps):
+        probes.append(timed(probe, device, 1, 0))
+        fns.append(timed(fn, device, 1, 0))
+    return min(fns), min(probes)
+
+
+def least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Coefficients minimizing |rows·c - ys| (normal equations; a few unknowns)."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(k)]
+    for i in range(k):  # Gauss-Jordan with partial pivoting
+        p = max(range(i, k), key=lambda r: abs(a[r][i]))
+        a[i], a[p], b[i], b[p] = a[p], a[i], b[p], b[i]
+        for r in range(k):
+            if r != i and a[i][i]:
+                f = a[r][i] / a[i][i]
+                a[r] = [x - f * y for x, y in zip(a[r], a[i])]
+                b[r] -= f * b[i]
+    return [b[i] / a[i][i] for i in range(k)]
+
+
+def nonneg_least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: a coefficient the fit drives negative (noise
+    on a shared machine) is fixed at 0 and the rest refitted."""
+    free = list(range(len(rows[0])))
+    while True:
+        coef = least_squares([[r[i] for i in free] for r in rows], ys)
+        if min(coef) >= 0 or len(free) == 1:
+            out = [0.0] * len(rows[0])
+            for i, c in zip(free, coef):
+                out[i] = max(0.0, c)
+            return out
+        free.pop(coef.index(min(coef)))
+
+
+def gpt_config(model: ModelConfig) -> GPTConfig:
+    if model.experts or (model.kv_heads and model.kv_heads != model.heads):
+        sys.exit(
+            f"calibrate: {model.name} is not a shape the reference GPT builds; pick a dense "
+            "model without grouped-query attention (gpt_125m, gpt_1p36b)"
+        )
+    return GPTConfig(
+        vocab=model.vocab,
+        d=model.d,
+        layers=model.layers,
+        heads=model.heads,
+        ffn=model.ffn,
+        max_seq=model.seq,
+        tie_embeddings=model.tie_embeddings,
+    )
+
+
+def skeleton(device: torch.device, tile: tuple[int, int], units: int) -> dict:
+    """A calibration with unit rates: the model's FLOP and tile counts come out in seconds at
+    1 TFLOP/s, which the fits below scale."""
+    curve = {"alpha_us": 0.0, "gbs": 1.0, "hop_us": 0.0}
+    link = {"all_gather": dict(curve), "reduce_scatter": dict(curve)}
+    return {
+        "name": "skeleton",
+        "description": "",
+        "nominal": False,
+        "gpus_per_node": 1,
+        "memory_gib": 0.0,
+        "async_host": device.type == "cuda",
+        "grouped_collectives": device.type == "cuda",
+        "contention_compute": 1.0,
+        "contention_comm": 1.0,
+        "links": {"intra": link, "inter": link},
+        "compute": {
+            "gemm_tflops": 1.0,
+            "gemm_overhead_us": 0.0,
+            "gemm_units": units,
+            "gemm_tile_m": tile[0],
+            "gemm_tile_n": tile[1],
+            "attention_tflops": 1.0,
+            "hbm_gbs": 1.0,
+            "elementwise_bytes": 0.0,
+            "layer_overhead_us": 0.0,
+        },
+        "host": {
+            "layer_us": 0.0,
+            "step_us": 0.0,
+            "use_us_local": 0.0,
+            "use_us": 0.0,
+            "graph_step_us": 0.0,
+            "fsdp2_block_us": 0.0,
+        },
+    }
+
+
+def measure_gemms(
+    model: ModelConfig, batches: list[int], device: torch.device, dtype: torch.dtype, raw: dict
+) -> tuple[float, float]:
+    """(TFLOP/s, µs per GEMM) fitted to the model's weight GEMMs (forward, input gradient,
+    weight gradient) at each batch's token count, with the wave model's FLOPs."""
+    unit = cluster_from_dict(raw, "skeleton")  # 1 TFLOP/s, no overhead: seconds = TFLOPs
+    rows, ys = [], []
+    shapes = set()
+    for batch in batches:
+        m = batch * model.seq
+        for w, _ in pass_order(model, backward=False):
+            if w.kind != "embedding":  # (M, K, N) of forward, input and weight gradients
+                shapes |= {(m, w.cols, w.rows), (m, w.rows, w.cols), (w.rows, m, w.cols)}
+    burst = 1 if device.type == "cpu" else 10  # back to back, as in a step: no sync per GEMM
+
+    def gemms(a: torch.Tensor, b: torch.Tensor) -> None:
+        for _ in range(burst):
+            a @ b
+
+    for mm, k, n in sorted(shapes):
+        a = torch.randn(mm, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        ys.append(timed(lambda a=a, b=b: gemms(a, b), device, 5) / burst)
+        rows.append([gemm_s(unit, mm, n, k), 1.0])
+    # relative errors: small and large GEMMs weigh alike
+    inv_rate, overhead = nonneg_least_squares(
+        [[x / y for x in r] for r, y in zip(rows, ys)], [1.0] * len(ys)
+    )
+    return 1 / inv_rate, overhead * 1e6
+
+
+def measure_attention(model: ModelConfig, device: torch.device, dtype: torch.dtype) -> float:
+    """TFLOP/s of SDPA forward and backward, in the FLOPs ModelConfig counts."""
+    hd = model.d // model.heads
+    q, k, v = (
+        torch.randn(1, model.heads, model.seq, hd, device=device, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    seconds = timed(step, device, 5 if device.type == "cpu" else 20)
+    flops = model.seq * model.attention_flops_per_token() * (1 + ATTENTION_BACKWARD)
+    return flops / seconds / 1e12
+
+
+def measure_hbm(device: torch.device) -> float:
+    """GB/s of AdamW's step over a flat fp32 buffer (28 bytes per element), as the model
+    counts the optimizer; fused on a GPU (as bench_step's --fused-adamw), foreach on CPU."""
+    n = (1 << 26) if device.type == "cuda" else (1 << 22)
+    p = torch.zeros(n, device=device, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW([p], fused=device.type == "cuda" or None)
+    seconds = timed(opt.step, device, 10)
+    return n * 28 / seconds / 1e9
+
+
+def plain_step(
+    model: ModelConfig,
+    batch: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    probe: Callable[[], object],
+) -> tuple[float, float]:
+    """(seconds, probe seconds) of the plain model's forward, loss and backward (fastest of
+    the reps, see `timed_probed`)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = GPT(gpt_config(model)).to(dtype)
+    idx = torch.randint(0, model.vocab, (batch, model.seq + 1), device=device)
+
+    def step() -> None:
+        loss = F.cross_entropy(net(idx[:, :-1]).float().flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        for p in net.parameters():
+            p.grad = None
+
+    return timed_probed(step, probe, device, 7 if device.type == "cpu" else 10)
+
+
+def fit_layers(
+    model: ModelConfig,
+    batches: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    raw: dict,
+    probe: Callable[[], object],
+) -> tuple[float, float, list[dict]]:
+    """(elementwise bytes per token per element of d + ffn, fixed µs per layer, the runs) from
+    the plain model's steps: what GEMMs, attention and the loss leave. Each step is scaled by
+    the probe timed just before it against the calibration's (the machine's load moves)."""
+    cluster = cluster_from_dict(raw, "rates")
+    hbm = raw["compute"]["hbm_gbs"]["value"] * 1e9
+    rows, ys, runs = [], [], []
+    for batch in batches:
+        seconds, now = plain_step(model, batch, device, dtype, probe)
+        runs.append({"batch": batch, "seconds": seconds, "probe_s": now})
+        seconds *= raw["probe_s"]["value"] / now
+        plan = Plan(model, cluster, Mesh(), batch=batch)
+        gemm = sum(
+            weight_gemms_s(plan, w, b)
+            for b in (False, True)
+            for w, _ in pass_order(model, b)
+            if w.kind != "embedding"
+        )
+        m = batch * model.seq
+        attn = model.layers * m * model.attention_flops_per_token() * (1 + ATTENTION_BACKWARD)
+        attn /= raw["compute"]["attention_tflops"]["value"] * 1e12
+        loss = m * model.vocab * LOSS_BYTES / hbm
+        ys.append(seconds - gemm - attn - loss)
+        rows.append([m * model.layers * (model.d + model.ffn) / hbm, model.layers])
+    per_byte, per_layer = nonneg_least_squares(rows, ys)
+    return per_byte, per_layer * 1e6, runs
+
+
+def measure_use_us(device: torch.device, policy: dict | None = None) -> float:
+    """GTP's extra wall time per weight use at world 1: 16 Linear(64, 64), wrapped or not."""
+
+    def build(wrap: bool) -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(64, 64, bias=False, device=device) for _ in range(16)])
+        if wrap:
+            GTPWrap(net, {"min_shard_numel": 0, "group_numel": 0, **(policy or {})})
+        return net
+
+    x = torch.randn(8, 64, device=device)
+    times = []
+    for wrap in (False, True):
+        net = build(wrap)
+
+        def step(net=net) -> None:
+            net(x).sum().backward()
+            for p in net.parameters():
+                p.grad = None
+
+        times.append(timed(step, device, 50, warmup=5))
+    return (times[1] - times[0]) / 32 * 1e6  # a forward use and a backward re-gather per weight
+
+
+# ---- ranks (spawned) ---------------------------------------------------------------------------
+
+
+def _comm_rank(device: torch.device, out: str, iters: int) -> None:
+    """Flat all-gathers (bf16 on GPUs, fp32 on CPU) and fp32 reduce-scatters of SIZES; then
+    the contention of a GEMM loop and an all-gather loop."""
+    world, pg = dist.get_world_size(), dist.group.WORLD
+    gdtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for numel in SIZES:
+        for kind, dtype in (("all_gather", gdtype), ("reduce_scatter", torch.float32)):
+            full = torch.zeros(numel, device=device, dtype=dtype)
+            part = torch.zeros(numel // world, device=device, dtype=dtype)
+
+            def once(kind=kind, full=full, part=part) -> None:
+                dist.barrier()
+                if kind == "all_gather":
+                    pg._allgather_base(full, part).wait()
+                else:
+                    pg._reduce_scatter_base(part, full).wait()
+
+            seconds = timed(once, device, iters) - timed(dist.barrier, device, iters)
+            rows.append(
+                {
+                    "kind": kind,
+                    "world": world,
+                    "bytes": numel * dtype.itemsize,
+                    "seconds": max(seconds, 1e-7),
+                }
+            )
+    contention = _contention(device, pg, gdtype) if world == 2 else None
+    dist.barrier()
+    together = timed(_gemm_loop(device, gdtype), device, 3, 1)  # every rank at once
+    if dist.get_rank() == 0:
+        Path(out).write_text(
+            json.dumps({"rows": rows, "contention": contention, "gemm_loop_s": together})
+        )
+
+
+def _gemm_loop(device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    """A fixed GEMM loop: timed alone and in every rank at once, it tells how many ranks
+    compute in parallel (CPU cores shared with the rest of the machine's load)."""
+    n = 512 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+
+    def loop() -> None:
+        for _ in range(10):
+            a @ a
+
+    return loop
+
+
+def _contention(device: torch.device, pg, dtype: torch.dtype) -> dict:
+    """GEMM time alone and beside a stream of all-gathers, and all-gather time alone and beside
+    the GEMMs (each rank does both at once)."""
+    n = 512 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    numel = 1 << (22 if device.type == "cpu" else 24)
+    full = torch.zeros(numel, device=device, dtype=dtype)
+    part = torch.zeros(numel // dist.get_world_size(), device=device, dtype=dtype)
+    reps = 10 if device.type == "cpu" else 30
+    side = torch.cuda.Stream() if device.type == "cuda" else None
+
+    def gemms() -> None:
+        for _ in range(reps):
+            a @ a
+
+    def gathers(count: int) -> None:
+        for _ in range(count):
+            pg._allgather_base(full, part).wait()
+
+    dist.barrier()
+    gemm_alone = timed(gemms, device, 3, 1)
+    dist.barrier()
+    gather_alone = timed(lambda: gathers(reps), device, 3, 1) / reps
+    dist.barrier()
+    result: dict[str, float] = {}
+
+    def comm_side() -> None:  # gathers from another thread (gloo) or stream (NCCL)
+        t = time.perf_counter()
+        if side is not None:
+            with torch.cuda.stream(side):
+                gathers(reps * 4)
+            side.synchronize()
+        else:
+            gathers(reps)
+        result["gather"] = (time.perf_counter() - t) / (reps * (4 if side is not None else 1))
+
+    thread = threading.Thread(target=comm_side)
+    thread.start()
+    gemm_beside = timed(gemms, device, 1, 0)
+    thread.join()
+    return {
+        "gemm_slowdown": gemm_beside / gemm_alone,
+        "comm_slowdown": max(1.0, result["gather"] / gather_alone),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class StepJob:
+    model: ModelConfig
+    batches: tuple[int, ...]
+    out: str
+    steps: int
+
+
+def _step_rank(device: torch.device, job: StepJob) -> None:
+    """Step times at each batch: on GPUs bench_step's floor, floor_graph, gtp and gtp_graph
+    (fused AdamW, bf16 gathers over fp32 masters; their median step); on CPU the GTP step of
+    the default (fp32) policy, fastest of the timed steps."""
+    rows = []
+    if device.type == "cuda":
+        import bench_step  # benchmarks/, beside this script
+
+        for batch in job.batches:
+            for method in ("floor", "floor_graph", "gtp", "gtp_graph"):
+                r = bench_step.measure(
+                    method,
+                    gpt_config(job.model),
+                    batch,
+                    job.model.seq,
+                    3,
+                    job.steps,
+                    device,
+                    {},
+                    fused_adamw=True,
+                )
+                rows.append({"batch": batch, "method": method, "seconds": r["step_ms"] / 1e3})
+    else:
+        torch.manual_seed(0)
+        net = GPT(gpt_config(job.model))
+        GTPWrap(net)
+        opt = torch.optim.AdamW(net.parameters())
+        loop = _gemm_loop(device, torch.float32)
+        for batch in job.batches:
+            g = torch.Generator().manual_seed(dist.get_rank())
+            idx = torch.randint(0, job.model.vocab, (batch, job.model.seq + 1), generator=g)
+
+            def step(idx=idx) -> None:
+                out = net(idx[:, :-1]).float().flatten(0, 1)
+                F.cross_entropy(out, idx[:, 1:].flatten()).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            step()  # a warm-up step beside timed_probed's own
+            # the probe runs in every rank at once, as their steps do
+            seconds, probe = timed_probed(
+                lambda: (dist.barrier(), step()),
+                lambda: (dist.barrier(), loop()),
+                device,
+                job.steps,
+            )
+            rows.append({"batch": batch, "method": "gtp", "seconds": seconds, "probe_s": probe})
+    if dist.get_rank() == 0:
+        Path(job.out).write_text(json.dumps(rows))
+
+
+def spawn(fn: Callable, world: int, cpu: bool, *args) -> None:
+    launch(fn, world, *args, cpu=cpu, oversubscribe=cpu)
+
+
+# ---- the calibration ---------------------------------------------------------------------------
+
+
+def fit_curves(rows: list[dict]) -> dict:
+    """Per kind: α, hop and GB/s by least squares over every world and size."""
+    out = {}
+    for kind in ("all_gather", "reduce_scatter"):
+        pts = [r for r in rows if r["kind"] == kind]
+        worlds = {r["world"] for r in pts}
+        feats = [[1.0, r["world"] - 2.0, (r["world"] - 1) / r["world"] * r["bytes"]] for r in pts]
+        if len(worlds) == 1:  # one world: no hop term
+            feats = [[f[0], 0.0, f[2]] for f in feats]
+        alpha, hop, per_byte = nonneg_least_squares(feats, [r["seconds"] for r in pts])
+        out[kind] = {
+            "alpha_us": alpha * 1e6,
+            "gbs": 1 / max(per_byte, 1e-15) / 1e9,
+            "hop_us": hop * 1e6,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--name", default=None, help="cluster name (default: cpu_gloo / the GPU's)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"one of {', '.join(MODELS)} (default: "
+        "gpt_1p36b on GPUs; on CPU the gpt_small-shaped cpu_small)",
+    )
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument(
+        "--worlds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="collective and step worlds (default: 2 4 on CPU; 2..GPUs on GPUs)",
+    )
+    ap.add_argument("--no-steps", action="store_true", help="skip the GTP step runs")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=280)
+    args = ap.parse_args(argv)
+    budget = Budget(args.budget_s)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(0)
+    else:
+        torch.set_num_threads(1)  # as gtp-train's CPU ranks run
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.model and args.model not in MODELS:
+        sys.exit(f"calibrate: unknown model {args.model}; one of {', '.join(MODELS)}")
+    model = MODELS[args.model] if args.model else (MODELS["gpt_1p36b"] if cuda else CPU_MODEL)
+    gpt_config(model)  # a shape the reference GPT builds, or exit now
+    batches = args.batches or ([1, 8] if cuda else [1, 2, 4])
+    gpus = torch.cuda.device_count() if cuda else 0
+    worlds = args.worlds or ([w for w in (2, 4, 8) if w <= gpus] if cuda else [2, 4])
+    name = args.name or (
+        "cpu_gloo" if not cuda else torch.cuda.get_device_name().split()[-1].lower()
+    )
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 1
+    tile = (128, 256) if cuda else (1, 1)
+    here = f"calibrate.py on {platform.node()} ({torch.cuda.get_device_name() if cuda else platform.processor() or 'cpu'}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"  # noqa: E501
+    raw = skeleton(device, tile, sms)
+    c = raw["compute"]
+
+    loop = _gemm_loop(device, dtype)
+    raw["probe_s"] = src(timed(loop, device, 5, 1), f"{here}: a fixed GEMM loop, alone")
+    print("calibrate: GEMMs", flush=True)
+    tflops, overhead = measure_gemms(model, batches, device, dtype, raw)
+    c["gemm_tflops"] = src(tflops, f"{here}: GEMMs at {model.name}'s shapes, batches {batches}")
+    c["gemm_overhead_us"] = src(overhead, f"{here}: the same fit's intercept")
+    c["attention_tflops"] = src(measure_attention(model, device, dtype), f"{here}: SDPA fwd+bwd")
+    c["hbm_gbs"] = src(measure_hbm(device), f"{here}: AdamW step, 28 B/element")
+    print("calibrate: the plain model's steps", flush=True)
+    per_byte, per_layer, plain_runs = fit_layers(model, batches, device, dtype, raw, loop)
+    c["elementwise_bytes"] = src(
+        per_byte,
+        f"{here}: plain {model.name} steps at batches {batches}, "
+        "beyond GEMMs, attention and loss (slope)",
+    )
+    fixed = src(per_layer, f"{here}: the same fit's intercept per layer")
+    if cuda:  # small kernels on the device; the host runs ahead
+        c["layer_overhead_us"] = fixed
+    else:  # on a CPU the fixed cost per layer is the host's dispatch
+        raw["host"]["layer_us"] = fixed
+    h = raw["host"]
+    print("calibrate: host time per use", flush=True)
+    local = measure_use_us(device, {} if not cuda else {"param_dtype": "bfloat16"})
+    h["use_us_local"] = src(local, f"{here}: 16 Linear(64, 64) wrapped or not, world 1")
+    h["step_us"] = src(0.0 if not cuda else 1000, "not measured: the loss and optimizer launch")
+    h["graph_step_us"] = src(50, "estimate: one CUDA graph replay launch")
+    h["fsdp2_block_us"] = src(2000, "../shared/GPU.md: FSDP2 adds ~2 ms per module group")
+    comm_rows: list[dict] = []
+    contention = None
+    alone = raw["probe_s"]["value"]
+    units: list[float] = []  # ranks computing in parallel, per world measured
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in worlds:
+            if not budget.allows(f"collectives at world {world}", 40):
+                continue
+            print(f"calibrate: collectives at world {world}", flush=True)
+            out = os.path.join(tmp, f"comm{world}.json")
+            spawn(_comm_rank, world, not cuda, out, 5 if not cuda else 20)
+            found = json.loads(Path(out).read_text())
+            comm_rows += found["rows"]
+            contention = contention or found["contention"]
+            units.append(world * alone / found["gemm_loop_s"])
+        step_runs = []
+        if not args.no_steps:
+            for world in [1] + worlds:
+                if not budget.allows(f"steps at world {world}", 30 * world):
+                    continue
+                print(f"calibrate: GTP steps at world {world}", flush=True)
+                out = os.path.join(tmp, f"steps{world}.json")
+                spawn(_step_rank, world, not cuda, StepJob(model, tuple(batches), out, args.steps))
+                step_runs += [dict(r, world=world) for r in json.loads(Path(out).read_text())]
+    comm_src = f"{here}: flat collectives at worlds {sorted({r['world'] for r in comm_rows})}, sizes {list(SIZES)} elements (fit)"  # noqa: E501
+    curves = fit_curves(comm_rows) if comm_rows else None
+    link = {
+        k: {f: src(v, comm_src) for f, v in curve.items()} for k, curve in (curves or {}).items()
+    }
+    if not cuda and curves:
+        # A gloo use waits for its own collectives: what a world-2 use costs beyond them.
+        per_use = measure_use_us_world2(budget)
+        latency = curves["all_gather"]["alpha_us"] + curves["reduce_scatter"]["alpha_us"] / 2
+        h["use_us"] = src(
+            max(0.0, per_use - latency),
+            f"{here}: 16 Linear(64, 64) at world 2 (gloo), less the collectives' α",
+        )
+    else:
+        h["use_us"] = src(262, "results/profile_b1_final_gtp.json (2xH200): not measured here")
+    raw.update(
+        name=name,
+        description=(
+            f"measured by benchmarks/calibrate.py on {platform.node()}: "
+            + (
+                "CPU ranks on gloo, one thread each"
+                if not cuda
+                else f"{gpus} x {torch.cuda.get_device_name()}"
+            )
+        ),
+        gpus_per_node=src(max(worlds + [1]) if not cuda else max(gpus, 1), here),
+        compute_units_per_node=src(
+            min(units),
+            f"{here}: a GEMM loop in every rank at once against alone, at worlds {worlds}",
+        )
+        if not cuda and units
+        else src(gpus, here),
+        memory_gib=src(
+            torch.cuda.get_device_properties(0).total_memory / 2**30
+            if cuda
+            else (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30,
+            here,
+        ),
+        contention_compute=src(contention["gemm_slowdown"] if contention else 1.0, here),
+        contention_comm=src(contention["comm_slowdown"] if contention else 1.0, here),
+    )
+    if link:
+        raw["links"] = {"intra": link, "inter": link}
+    raw["runs"] = runs_of(model, plain_runs, step_runs, cuda, here)
+    raw["skipped"] = budget.skipped
+    if hasattr(os, "getloadavg"):  # the neighbours' load while this ran (CPU figures move with it)
+        raw["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"calibrate: wrote {args.out} ({len(raw['runs'])} runs; skipped: {budget.skipped})")
+
+
+def measure_use_us_world2(budget: Budget) -> float:
+    """GTP's extra wall time per weight use at world 2 on gloo (spawned ranks)."""
+    if not budget.allows("host time per use at world 2", 30):
+        return 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "use.json")
+        spawn(_use_rank, 2, True, out)
+        return float(json.loads(Path(out).read_text())["use_us"])
+
+
+def _use_rank(device: torch.device, out: str) -> None:
+    use_us = measure_use_us(device)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"use_us": use_us}))
+
+
+def runs_of(
+    model: ModelConfig, plain: list[dict], steps: list[dict], cuda: bool, here: str
+) -> list[dict]:
+    """The measured steps as runs for `gtp-plan validate`: the plain model's (calibration:
+    the elementwise and per-layer fit) and GTP's (held out)."""
+    spec = dataclasses.asdict(model)
+    gather = {} if cuda else {"gather": "fp32"}
+    out = []
+    for r in plain:
+        out.append(
+            {
+                "model": spec,
+                "batch": r["batch"],
+                "seq": model.seq,
+                "mesh": "",
+                "method": "plain",
+                "probe_s": r["probe_s"],
+                "measured_ms": round(r["seconds"] * 1e3, 3),
+                "source": here,
+                "calibration": True,
+            }
+        )
+    for r in steps:
+        mesh = f"gtp={r['world']}" if r["world"] > 1 else ""
+        out.append(
+            {
+                "model": spec,
+                "batch": r["batch"],
+                "seq": model.seq,
+                "mesh": mesh,
+                "method": r["method"],
+                "policy": gather,
+                **({"probe_s": r["probe_s"]} if "probe_s" in r else {}),
+                "measured_ms": round(r["seconds"] * 1e3, 3),
+                "source": here,
+                "calibration": False,
+            }
+        )
+    return out
+
+
+if __name__ == "__main__":
+    main()

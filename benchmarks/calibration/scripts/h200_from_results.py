@@ -1,0 +1,339 @@
+"""Write benchmarks/calibration/h200.json from earlier H200 measurements in benchmarks/results.
+
+    python benchmarks/calibration/scripts/h200_from_results.py
+
+Every number in the JSON names the file (and field) it comes from, or says it is nominal.
+What is fitted here, and from which runs, is marked: those runs are the calibration set
+(`"calibration": true` in `runs`); every other run listed is held out, predicted from the
+fitted numbers only. The single-GPU and 2xH200 runs are read from the bench_step JSONs that
+benchmarks/RESULTS.md reports.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+CALIBRATION = Path(__file__).resolve().parents[1]
+RESULTS = CALIBRATION.parent / "results"
+sys.path.insert(0, str(CALIBRATION.parents[1]))
+
+from gtp_wrap.scaling.baselines import fsdp2  # noqa: E402
+from gtp_wrap.scaling.cluster import cluster_from_dict  # noqa: E402
+from gtp_wrap.scaling.mesh import Mesh  # noqa: E402
+from gtp_wrap.scaling.model import GPT_1P36B, GPT_125M  # noqa: E402
+from gtp_wrap.scaling.predict import (  # noqa: E402
+    ATTENTION_BACKWARD,
+    LOSS_BYTES,
+    Plan,
+    pass_order,
+    weight_gemms_s,
+)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def src(value: float, source: str) -> dict:
+    return {"value": float(f"{value:.6g}"), "source": source}
+
+
+def rows_of(name: str) -> list[dict]:
+    return load(name)["rows"]
+
+
+def collective_fit(kind: str, elem_bytes: int) -> tuple[float, float]:
+    """α (µs) and GB/s of one flat collective on 2 ranks, least squares over the three sizes
+    of results/collectives.json (each rank receives half the buffer)."""
+    res = load("collectives.json")["results"]
+    xs = [res[k]["numel"] * elem_bytes / 2 for k in ("1 layer", "2 layers", "embedding")]
+    ys = [res[k][f"{kind}/flat_ms"] * 1e-3 for k in ("1 layer", "2 layers", "embedding")]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return (my - slope * mx) * 1e6, 1 / slope / 1e9
+
+
+def skeleton() -> dict:
+    """The JSON with unit rates where the fit fills in, to count FLOPs and tiles with."""
+    ag_alpha, ag_gbs = collective_fit("all_gather", 2)
+    rs_alpha, rs_gbs = collective_fit("reduce_scatter", 4)
+    coll = "results/collectives.json: flat all-gathers (bf16) / reduce-scatters (fp32) of 1 and 2 "
+    coll += "1.36B layers and the embedding on 2xH200 (NCCL 2.28.9), least squares"
+    contention = load("contention.json")["nccl_all_gather"]["gemm_slowdown"]
+    opt = next(r for r in rows_of("optimizer_step_1p36b_world1.json") if r["mode"] == "adamw")
+    hbm = GPT_1P36B.n_params * 28 / (opt["optimizer_ms"] * 1e-3) / 1e9
+    host_use = load("profile_b1_final_gtp.json")["host_us_per_weight_use"]
+    host_local = load("host_overhead_cuda_1202.json")["world1"]["bf16"]["per_use_us"]
+    nominal_ib = "nominal: 400 Gb/s NDR InfiniBand per GPU (50 GB/s) at 90 %; not measured here"
+    return {
+        "name": "h200",
+        "description": "NVIDIA H200 SXM nodes of 8 (NVLink 4 / NVSwitch), one 400 Gb/s NIC per "
+        "GPU. Intra-node curves, compute, HBM and host costs measured on 1-2 H200s "
+        "(benchmarks/results); inter-node curves and ring hops nominal",
+        "nominal": False,
+        "gpus_per_node": src(8, "nominal: HGX H200 8-GPU node"),
+        "memory_gib": src(139, "the GPU machine's H200: about 139 GiB usable (141 GB datasheet)"),
+        "async_host": True,
+        "grouped_collectives": True,
+        "contention_compute": src(
+            contention, "results/contention.json: nccl_all_gather.gemm_slowdown"
+        ),
+        "contention_comm": src(1.0, "assumed: NCCL's bandwidth beside GEMMs not measured"),
+        "links": {
+            "intra": {
+                "all_gather": {
+                    "alpha_us": src(ag_alpha, coll),
+                    "gbs": src(ag_gbs, coll),
+                    "hop_us": src(1.0, "nominal NVLink ring hop; 2 ranks measured"),
+                },
+                "reduce_scatter": {
+                    "alpha_us": src(rs_alpha, coll),
+                    "gbs": src(rs_gbs, coll),
+                    "hop_us": src(1.0, "nominal NVLink ring hop"),
+                },
+            },
+            "inter": {
+                "all_gather": {
+                    "alpha_us": src(30, nominal_ib),
+                    "gbs": src(45, nominal_ib),
+                    "hop_us": src(5, nominal_ib),
+                },
+                "reduce_scatter": {
+                    "alpha_us": src(30, nominal_ib),
+                    "gbs": src(45, nominal_ib),
+                    "hop_us": src(5, nominal_ib),
+                },
+            },
+        },
+        "compute": {
+            "gemm_tflops": 1.0,
+            "gemm_overhead_us": 0.0,
+            "gemm_units": src(132, "H200 SXM: 132 SMs"),
+            "gemm_tile_m": src(128, "cuBLAS nvjet 128x256 tiles (profile_b1_grouped_floor.json)"),
+            "gemm_tile_n": src(256, "cuBLAS nvjet 128x256 tiles (profile_b1_grouped_floor.json)"),
+            "attention_tflops": 1.0,
+            "hbm_gbs": src(
+                hbm,
+                "results/optimizer_step_1p36b_world1.json: fused AdamW over the "
+                "1.36B model, 28 bytes per parameter, in optimizer_ms",
+            ),
+            "elementwise_bytes": 0.0,
+            "layer_overhead_us": 0.0,
+        },
+        "host": {
+            "layer_us": 0.0,
+            "step_us": src(1000, "estimate: loss, fused AdamW launch, zero_grad"),
+            "use_us_local": src(
+                host_local, "results/host_overhead_cuda_1202.json: world1.bf16.per_use_us"
+            ),
+            "use_us": src(
+                host_use,
+                "results/profile_b1_final_gtp.json: host_us_per_weight_use "
+                "(1.36B batch 1, 2xH200, eager)",
+            ),
+            "graph_step_us": src(50, "estimate: one CUDA graph replay launch"),
+            "fsdp2_block_us": src(
+                2000, "../shared/GPU.md: FSDP2 adds ~2 ms per module group per step"
+            ),
+        },
+    }
+
+
+def gemm_parts(raw: dict, plan_of) -> tuple[float, int]:
+    """(seconds at 1 TFLOP/s with no overhead, GEMM count) of a floor step's weight GEMMs."""
+    cluster = cluster_from_dict(raw, "skeleton")
+    plan = plan_of(cluster)
+    total, count = 0.0, 0
+    for backward in (False, True):
+        for w, _ in pass_order(plan.cfg, backward):
+            if w.kind != "embedding":
+                total += weight_gemms_s(plan, w, backward)
+                count += 2 if backward else 1
+    return total, count
+
+
+def fit(raw: dict) -> dict:
+    """GEMM rate and overhead, attention rate, elementwise bytes and layer overhead from the
+    floor's profiles (1.36B, batch 1 and 8) and the graphed floor at 125M batch 1."""
+    prof1, prof8 = load("profile_b1_grouped_floor.json"), load("profile_floor_b8.json")
+    g1, g8 = prof1["trace"]["per_step_ms"]["gemm"], prof8["trace"]["per_step_ms"]["gemm"]
+
+    def plan_at(model, batch: int):
+        return lambda cl: Plan(model, cl, Mesh(gtp=2), batch=batch, seq=2048)
+
+    f1, n1 = gemm_parts(raw, plan_at(GPT_1P36B, 1))
+    f8, _ = gemm_parts(raw, plan_at(GPT_1P36B, 8))
+    # g = f / R + n * t0 at batch 1 and 8 (the same GEMM count)
+    tflops = (f8 - f1) / ((g8 - g1) * 1e-3)
+    overhead_us = (g1 * 1e-3 - f1 / tflops) / n1 * 1e6
+    c = raw["compute"]
+    pf = "results/profile_b1_grouped_floor.json and results/profile_floor_b8.json"
+    c["gemm_tflops"] = src(
+        tflops, f"{pf}: per_step_ms.gemm at batch 1 and 8 (fit, with the wave model)"
+    )
+    c["gemm_overhead_us"] = src(overhead_us, f"{pf}: the same fit's intercept per GEMM")
+    sdpa = sum(
+        k["ms"]
+        for k in prof1["trace"]["top_kernels_per_step"]
+        if "sdpa" in k["name"] or "cudnn::fusion" in k["name"]
+    )
+    m = GPT_1P36B
+    attn_flops = m.layers * 2048 * 4 * 2048 * m.d * (1 + ATTENTION_BACKWARD)
+    c["attention_tflops"] = src(
+        attn_flops / (sdpa * 1e-3) / 1e12,
+        "results/profile_b1_grouped_floor.json: cuDNN SDPA kernels per step",
+    )
+    # Other compute grows by the same per batch: subtract attention and the loss from it.
+    o1, o8 = (p["trace"]["per_step_ms"]["other_compute"] for p in (prof1, prof8))
+    per_batch_s = (o8 - o1) / 7 * 1e-3
+    hbm = c["hbm_gbs"]["value"] * 1e9
+    loss_s = 2048 * m.vocab * LOSS_BYTES / hbm
+    elementwise_s = per_batch_s - sdpa * 1e-3 - loss_s
+    c["elementwise_bytes"] = src(
+        elementwise_s * hbm / (2048 * m.layers * (m.d + m.ffn)),
+        f"{pf}: per_step_ms.other_compute per batch, less attention and the loss",
+    )
+    # The graphed floor at 125M batch 1 (world 2): what the rates above leave is small kernels.
+    cl = cluster_from_dict(raw, "partial")
+    from gtp_wrap.scaling.predict import predict
+
+    measured = next(
+        r
+        for r in rows_of("bench_floor_graph_all.json")
+        if r["model"] == "125M" and r["method"] == "floor_graph"
+    )["step_ms"]
+    before = predict(Plan(GPT_125M, cl, Mesh(gtp=2), 1, 2048, graphed=True), "floor").step
+    c["layer_overhead_us"] = src(
+        (measured * 1e-3 - before) / GPT_125M.layers * 1e6,
+        "results/bench_floor_graph_all.json: 125M batch-1 floor_graph, less "
+        "the rates above, per layer",
+    )
+    # Host: an eager floor at 125M batch 1 is host-bound; its host time per layer.
+    eager = next(
+        r
+        for r in rows_of("bench_fused_adamw.json")
+        if r["model"] == "125M" and r["method"] == "floor"
+    )["step_ms"]
+    step_us = raw["host"]["step_us"]["value"]
+    raw["host"]["layer_us"] = src(
+        (eager * 1e3 - step_us) / GPT_125M.layers,
+        "results/bench_fused_adamw.json: 125M batch-1 eager floor (host-bound), "
+        "less step_us, per layer",
+    )
+    raw["host"]["fsdp2_block_us"] = fit_fsdp2(raw)
+    c.update(fit_decode())
+    return raw
+
+
+def fit_decode() -> dict:
+    """The fused decode kernels' time per use and per element, fitted over the three 1.36B
+    weight shapes (eager, CUDA events, one H200)."""
+    rows = load("low_precision_gathers_decode.json")["weights"]
+    out = {}
+    for dtype in ("fp8", "nvfp4"):
+        xs = [r["shape"][0] * r["shape"][1] for r in rows]
+        ys = [r[f"{dtype}_ms"] * 1e-3 for r in rows]
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        where = f"results/low_precision_gathers_decode.json: {dtype}_ms against elements"
+        out[f"{dtype}_decode_us"] = src((my - slope * mx) * 1e6, f"{where}, intercept")
+        out[f"{dtype}_decode_ns"] = src(slope * 1e9, f"{where}, slope")
+    return out
+
+
+def fit_fsdp2(raw: dict) -> dict:
+    """FSDP2's host time per block and step, bisected to its 1.36B batch-1 eager step (it is
+    host-bound there; ../shared/GPU.md's ~2 ms per module group is where the search starts)."""
+    measured = next(
+        r
+        for r in rows_of("bench_fused_adamw.json")
+        if r["model"] == "1.36B" and r["batch"] == 1 and r["method"] == "fsdp2"
+    )
+    lo, hi = 0.0, 20000.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        raw["host"]["fsdp2_block_us"] = mid
+        plan = Plan(GPT_1P36B, cluster_from_dict(raw, "fsdp2"), Mesh(gtp=2), 1, 2048)
+        lo, hi = (mid, hi) if fsdp2(plan).step * 1e3 < measured["step_ms"] else (lo, mid)
+    return src(lo, "results/bench_fused_adamw.json: 1.36B batch-1 fsdp2 step (fit)")
+
+
+# (results file, world, [(model, batch, method)] or None for every row), calibration or not.
+RUNS = [
+    ("profile_b1_grouped_floor.json", None, True),
+    ("bench_floor_graph_all.json", [("125M", 1, "floor_graph")], True),
+    ("bench_fused_adamw.json", [("125M", 1, "floor"), ("1.36B", 1, "fsdp2")], True),
+    ("bench_one_gpu_world1.json", "all", False),
+    (
+        "bench_125m_b1_final_1202_1523.json",
+        [("125M", 1, m) for m in ("floor", "floor_graph", "gtp", "gtp_graph")],
+        False,
+    ),
+    (
+        "bench_fused_adamw.json",
+        [
+            (mo, b, m)
+            for mo, b in (("1.36B", 1), ("1.36B", 4), ("1.36B", 8), ("125M", 1))
+            for m in ("floor", "fsdp2", "gtp", "gtp_graph")
+            if (mo, m) not in (("125M", "floor"), ("1.36B", "fsdp2")) or b != 1
+        ],
+        False,
+    ),
+    ("bench_fused_adamw_reversed.json", "all", False),
+    ("bench_copy_engine_base.json", "all", False),
+    ("bench_floor_graph_all.json", [("1.36B", b, "floor_graph") for b in (1, 4, 8)], False),
+]
+MODEL_NAMES = {"1.36B": "gpt_1p36b", "125M": "gpt_125m"}
+
+
+def runs() -> list[dict]:
+    out = []
+    for name, which, calibration in RUNS:
+        if which is None:
+            continue  # a profile: used by the fit above, not a step run
+        data = load(name)
+        world = data["meta"]["world"]
+        for r in data["rows"]:
+            key = (r["model"], r["batch"], r["method"])
+            if which != "all" and key not in which:
+                continue
+            if r["method"] not in ("floor", "floor_graph", "gtp", "gtp_graph", "fsdp2"):
+                continue
+            out.append(
+                {
+                    "model": MODEL_NAMES[r["model"]],
+                    "batch": r["batch"],
+                    "seq": r["seq"],
+                    "mesh": f"gtp={world}" if world > 1 else "",
+                    "method": r["method"],
+                    "measured_ms": round(r["step_ms"], 2),
+                    "source": f"results/{name}",
+                    "calibration": calibration,
+                }
+            )
+    return out
+
+
+def calibrate_runs() -> list[dict]:
+    """Step runs that benchmarks/calibrate.py measured on one H200 (results/scaling/), held out."""
+    out = []
+    for path in sorted((RESULTS / "scaling").glob("calibrate_h200_*.json")):
+        for r in json.loads(path.read_text())["runs"]:
+            if r["method"] != "plain":
+                out.append(dict(r, source=f"results/scaling/{path.name}", calibration=False))
+    return out
+
+
+def main() -> None:
+    raw = fit(skeleton())
+    raw["runs"] = runs() + calibrate_runs()
+    (CALIBRATION / "h200.json").write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"wrote {CALIBRATION / 'h200.json'}: {len(raw['runs'])} runs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""A cluster description: one machine kind's links, compute rates and host costs, loaded from a
+calibration JSON (`benchmarks/calibration/<kind>.json`, shipped as the package
+`gtp_wrap.scaling.calibration`).
+
+Every number in the JSON is either plain or `{"value": x, "source": "..."}`, the source naming
+the measurement (a results file, a datasheet) it comes from. `calibrate.py` writes them for
+the machine it runs on; nominal clusters (GB200) carry published figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+CALIBRATION_PACKAGE = "gtp_wrap.scaling.calibration"
+# A source checkout reads benchmarks/calibration/ directly (an installed wheel carries a copy as
+# the package above).
+CHECKOUT_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "calibration"
+
+
+class ClusterError(ValueError):
+    """A cluster name or calibration file that cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Curve:
+    """α-β time of one collective kind on one link: `alpha_us + (members - 2) * hop_us` of
+    latency plus the bytes each member receives at `gbs` GB/s."""
+
+    alpha_us: float
+    gbs: float
+    hop_us: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The collectives' curves on one link: inside a node (NVLink) or between nodes."""
+
+    all_gather: Curve
+    reduce_scatter: Curve
+
+    def curve(self, kind: str) -> Curve:
+        """All-reduce is a reduce-scatter then an all-gather; an all-to-all moves its bytes like
+        an all-gather."""
+        return self.reduce_scatter if kind in ("reduce_scatter", "all_reduce") else self.all_gather
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """Device rates: GEMMs at `gemm_tflops` when every one of `gemm_units` (SMs; 1 on a CPU
+    core) runs full output tiles of `gemm_tile_m x gemm_tile_n`, in whole waves of tiles (a
+    GEMM too small to fill the device wastes the rest of its wave), plus `gemm_overhead_us`
+    each; attention at `attention_tflops` (of the FLOPs `ModelConfig` counts); memory-bound
+    kernels at `hbm_gbs`; a layer's elementwise work (norms, rotary, SwiGLU, residuals,
+    forward and backward) moves `elementwise_bytes` per token per element of `d + ffn`, and
+    pays `layer_overhead_us` of small-kernel time. Decoding an encoded gather to bf16 takes
+    `<dtype>_decode_us` per use plus `<dtype>_decode_ns` per element (None: not calibrated)."""
+
+    gemm_tflops: float
+    gemm_overhead_us: float
+    gemm_units: int
+    gemm_tile_m: int
+    gemm_tile_n: int
+    attention_tflops: float
+    hbm_gbs: float
+    elementwise_bytes: float
+    layer_overhead_us: float
+    fp8_decode_us: float | None = None
+    fp8_decode_ns: float | None = None
+    nvfp4_decode_us: float | None = None
+    nvfp4_decode_ns: float | None = None
+
+    def decode_s(self, dtype: str, numel: float) -> float:
+        """Seconds to decode one gathered weight of `numel` elements from `dtype`."""
+        us, ns = getattr(self, f"{dtype}_decode_us"), getattr(self, f"{dtype}_decode_ns")
+        if us is None or ns is None:
+            raise ClusterError(
+                f"this cluster has no calibration of {dtype} decoding; add {dtype}_decode_us and "
+                f"{dtype}_decode_ns to its JSON's compute section (see h200.json), or gather bf16"
+            )
+        return us * 1e-6 + numel * ns * 1e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """Host time an eager step spends (a graphed step replays with `graph_step_us`):
+    `layer_us` per layer of the plain model (forward and backward), `step_us` per step
+    (loss, optimizer, zero_grad), `use_us_local` per weight use of a GTP group of one,
+    `use_us` per weight use of a sharded group (its collectives' launches included), and
+    `fsdp2_block_us` per FSDP2 module group per step."""
+
+    layer_us: float
+    step_us: float
+    use_us_local: float
+    use_us: float
+    graph_step_us: float
+    fsdp2_block_us: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A machine kind. `gpus_per_node` ranks share a node's fast link (an NVLink domain);
+    `compute_units_per_node` of them compute at once (fewer on an oversubscribed CPU: ranks
+    then share units). `async_host`: the host launches work ahead of the device (GPUs);
+    otherwise host time adds to the step (CPU ranks run their own ops).
+    `grouped_collectives`: a chain group's gathers go as one collective (NCCL), else one per
+    weight (gloo). `contention_compute`: how much slower compute runs beside a collective;
+    `contention_comm`: how much slower a collective runs beside compute."""
+
+    name: str
+    description: str
+    nominal: bool
+    gpus_per_node: int
+    compute_units_per_node: float
+    memory_gib: float
+    async_host: bool
+    grouped_collectives: bool
+    intra: Link
+    inter: Link
+    compute: Compute
+    host: Host
+    contention_compute: float
+    contention_comm: float
+    runs: tuple[dict[str, Any], ...] = ()
+    sources: tuple[tuple[str, str], ...] = ()
+    probe_s: float = 0.0  # calibrate.py's GEMM loop, alone, when it calibrated (0: none)
+
+    def link(self, spans_nodes: bool) -> Link:
+        return self.inter if spans_nodes else self.intra
+
+    def share(self, world: int) -> float:
+        """How many ranks share one compute unit (1 unless a node is oversubscribed)."""
+        ranks = min(world, self.gpus_per_node)
+        return max(1.0, ranks / self.compute_units_per_node)
+
+    def with_inter_gbs(self, gbs: float) -> Cluster:
+        """The same cluster with every inter-node curve at `gbs` GB/s per GPU."""
+        inter = Link(
+            dataclasses.replace(self.inter.all_gather, gbs=gbs),
+            dataclasses.replace(self.inter.reduce_scatter, gbs=gbs),
+        )
+        return dataclasses.replace(self, inter=inter)
+
+
+def _value(raw: Any, path: str, sources: dict[str, str]) -> Any:
+    """A leaf's number; records its source under its dotted path."""
+    if isinstance(raw, dict) and "value" in raw:
+        if "source" in raw:
+            sources[path] = str(raw["source"])
+        return raw["value"]
+    return raw
+
+
+def _section(raw: dict, path: str, cls: type, sources: dict[str, str]) -> Any:
+    names = [f.name for f in dataclasses.fields(cls)]
+    missing = [n for n in names if n not in raw and _has_no_default(cls, n)]
+    if missing:
+        raise ClusterError(f"calibration section {path!r} lacks {', '.join(missing)}")
+    return cls(**{n: _value(raw[n], f"{path}.{n}", sources) for n in names if n in raw})
+
+
+def _has_no_default(cls: type, name: str) -> bool:
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field.default is dataclasses.MISSING
+
+
+def _link(raw: dict, path: str, sources: dict[str, str]) -> Link:
+    return Link(
+        _section(raw["all_gather"], f"{path}.all_gather", Curve, sources),
+        _section(raw["reduce_scatter"], f"{path}.reduce_scatter", Curve, sources),
+    )
+
+
+def cluster_from_dict(raw: dict, where: str) -> Cluster:
+    """A Cluster from a calibration JSON's content; `where` names it in errors."""
+    sources: dict[str, str] = {}
+    try:
+        top = {
+            k: _value(raw[k], k, sources)
+            for k in (
+                "name",
+                "description",
+                "nominal",
+                "gpus_per_node",
+                "memory_gib",
+                "async_host",
+                "grouped_collectives",
+                "contention_compute",
+                "contention_comm",
+            )
+        }
+        units = _value(raw.get("compute_units_per_node", top["gpus_per_node"]), "units", sources)
+        return Cluster(
+            **top,
+            compute_units_per_node=units,
+            intra=_link(raw["links"]["intra"], "links.intra", sources),
+            inter=_link(raw["links"]["inter"], "links.inter", sources),
+            compute=_section(raw["compute"], "compute", Compute, sources),
+            host=_section(raw["host"], "host", Host, sources),
+            runs=tuple(raw.get("runs", ())),
+            probe_s=_value(raw.get("probe_s", 0.0), "probe_s", sources),
+            sources=tuple(sorted(sources.items())),
+        )
+    except KeyError as e:
+        raise ClusterError(f"calibration {where} lacks the key {e}; see calibrate.py") from e
+
+
+def calibration_dir() -> Path:
+    """Where the calibration JSONs are: the installed package's copy, else the checkout's."""
+    try:
+        found = resources.files(CALIBRATION_PACKAGE)
+        path = Path(str(found))
+        if path.is_dir():
+            return path
+    except ModuleNotFoundError:
+        pass
+    return CHECKOUT_DIR
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in calibration_dir().glob("*.json"))
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """A cluster by kind (`h200`, `gb200`, `cpu_gloo`) or by the path of a calibration JSON."""
+    path = Path(name_or_path)
+    if path.suffix != ".json":
+        path = calibration_dir() / f"{name_or_path}.json"
+    if not path.is_file():
+        raise ClusterError(
+            f"no calibration {path}; clusters: {', '.join(available())}, or the path of a JSON "
+            "written by benchmarks/calibrate.py"
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ClusterError(f"{path} is not valid JSON ({e}); rewrite it with calibrate.py") from e
+    return cluster_from_dict(raw, str(path))
