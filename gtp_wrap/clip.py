@@ -47,10 +47,12 @@ def clip_grad_norm_(
                 parts[(id(p) not in sharded_ids) * 2 + (id(p) not in split_by_tp)].append(p)
 
         def powered(params: list[torch.Tensor]) -> torch.Tensor:
-            if not params:
+            # A rank's shard can be empty (fewer rows than ranks); it adds nothing to any norm,
+            # and torch's infinity norm has no value for an empty tensor.
+            grads = [g for g in (_grad(p) for p in params) if g.numel()]
+            if not grads:
                 return torch.zeros((), device=engine.device)
-            norm = torch.nn.utils.get_total_norm([_grad(p) for p in params], norm_type,
-                                                 foreach=foreach)  # fmt: skip
+            norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
             norm = norm.to(engine.device, torch.float32)
             return norm if inf else norm.pow(norm_type)
 

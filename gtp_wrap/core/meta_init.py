@@ -99,7 +99,7 @@ class _Replay:
             module, "_reset_parameters", None
         )
         if callable(reset):
-            self.run(module, reset)
+            self.run(module, reset, constructing=True)
         hook = getattr(module, "_init_weights", None)
         if callable(hook):
             for m in _children_first(module):
@@ -107,14 +107,31 @@ class _Replay:
                     self.initialized.add(id(m))
                     self.run(m, functools.partial(hook, m))
 
-    def run(self, module: nn.Module, init: Callable[[], object]) -> None:
+    def run(
+        self, module: nn.Module, init: Callable[[], object], constructing: bool = False
+    ) -> None:
         """`init()` with `module`'s own sharded weights staged whole, this rank's rows of them
-        written back after it."""
+        written back after it.
+
+        [Note: tied weights at construction] A weight two modules share was tied after both
+        were built (`self.head.weight = self.embed.weight`): the second module's constructor
+        initialized a tensor of its own, which the tie then dropped, and the first one's values
+        are the model's. So a constructor-time init (`constructing`) of a weight an earlier
+        init wrote runs on a scratch tensor, drawing its random numbers as the unwrapped build
+        did, and its values are dropped. A tie the other way round (the first module made to
+        share the second's tensor) is not told apart: pass init_fn for it. Hooks that run on
+        the finished model (`_init_weights`) see the tie, so their writes count."""
         staged: list[tuple[str, nn.Parameter, ShardedWeight, torch.Tensor]] = []
-        for name, p in module._parameters.items():
+        originals = dict(module._parameters)
+        for name, p in originals.items():
             w = self.sharded.get(id(p)) if p is not None else None
             if w is None or p is None:
                 continue
+            if id(p) in self.done and constructing:
+                with torch.inference_mode(False):
+                    scratch = torch.empty(_whole_shape(w), dtype=p.dtype, device=p.device)
+                module._parameters[name] = nn.Parameter(scratch, requires_grad=p.requires_grad)
+                continue  # restored below, its values not kept
             if id(p) in self.done:
                 whole = self.gather(w)
             else:
@@ -126,8 +143,7 @@ class _Replay:
         try:
             init()
         finally:
-            for name, p, *_ in staged:
-                module._parameters[name] = p
+            module._parameters.update(originals)
         if [f._version for f in self.flats] != before:
             raise WrapError(
                 f"the init of {type(module).__name__} '{self._name(module)}' writes weights of "
