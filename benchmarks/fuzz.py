@@ -52,6 +52,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.multiprocessing.spawn import ProcessException
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
@@ -597,16 +598,18 @@ def train(case: Case, model: nn.Module, rank: int | None, chunks: int = 1) -> di
     """The training loop both sides run. The wrapped side (`rank` given) sees this rank's rows of
     every global batch; the reference (`rank` None) all of them, in `chunks` equal parts whose
     gradients it accumulates, as data ranks sum theirs."""
+    # Summing the ranks' mean-loss gradients is the global mean-loss gradient times the number
+    # of data ranks (every GTP rank is one); the learning rate takes that back, as a user
+    # would, so that SGD does not diverge (where rounding differences grow without bound).
+    summed = case.policy.get("loss_reduction") == "sum"
+    lr = {k: v / (case.world if summed else 1) for k, v in OPTIMIZER_LR.items()}
     if case.optimizer == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(
-            model.parameters(), lr=OPTIMIZER_LR["sgd"], momentum=0.9, weight_decay=0.01
+            model.parameters(), lr=lr["sgd"], momentum=0.9, weight_decay=0.01
         )
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=OPTIMIZER_LR["adamw"], eps=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr["adamw"], eps=1e-4)
     wrapped = rank is not None
-    # Summing the ranks' mean-loss gradients is the global mean-loss gradient times the number
-    # of data ranks (every GTP rank is one).
-    summed = case.policy.get("loss_reduction") == "sum"
     loss_scale = case.world if summed and not wrapped else 1.0
     out: dict[str, Any] = {"losses": [], "norms": [], "grads": [], "evals": []}
     for step in range(case.steps):
@@ -1007,7 +1010,7 @@ def spawn_world(world: int, seeds: list[int], deadline: float, grace: float) -> 
                 try:
                     if ctx.join(timeout=0.5):
                         break
-                except mp.ProcessException as e:  # a rank died or raised
+                except ProcessException as e:  # a rank died or raised
                     ended = f"a rank ended abnormally: {e}"
                 done = _read_records(log_dir)
                 if len(done) != seen:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from .compilation import gather_per_block
 from .config.plan import blocks_on_gathered_weights, plan_parameters, plan_tensor_parallel
 from .config.policy import PolicySpec, resolve_policy
+from .core.build import cast_norm_statistics
 from .core.meta_init import InitFn, check_meta, check_same_generators, materialize_meta
 from .core.parameter import GTPParameter
 from .errors import WrapError
@@ -119,6 +120,7 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
         materialize_meta(
             module, engine.weights, gather_whole(engine), local_offset(engine), init_fn
         )
+        cast_norm_statistics(module, resolved, engine.precision)
     install_state_dict_hooks(module, engine)
     attach(module, engine)
     if resolved.check_finite:

@@ -36,10 +36,14 @@ CASES = {1: 20, 2: 80, 3: 60, 4: 80}  # by world size
 # failure there ends it).
 REGRESSIONS = (
     28000225,  # a meta-device build initialized a tied weight with its last owner's reset
-    # Open: 28001441 and 28005788 (a meta-device build whose batch norms keep half-precision
-    # running statistics, norm_in_fp32: false, on 2 and 4 ranks) end off the reference;
-    # `python benchmarks/fuzz.py --case 28001441` shows it. Not fixed yet.
+    # A meta-device build whose batch norms keep half-precision running statistics
+    # (norm_in_fp32: false) initialized them in half precision, on 2 and 4 ranks.
+    28001441,
+    28005788,
     8000841,  # clip_grad_norm_(norm_type=inf) raised on the rank holding an empty shard
+    # A meta-device build re-initialized a replicated tied weight with its second owner's
+    # reset_parameters().
+    1000053,
 )
 
 

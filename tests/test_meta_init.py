@@ -37,10 +37,36 @@ def _llama() -> nn.Module:
     )  # fmt: skip
 
 
+class _RandomStatsNorm(nn.BatchNorm1d):
+    """Running statistics drawn at random (so their init's dtype shows in their values)."""
+
+    def reset_running_stats(self) -> None:
+        super().reset_running_stats()
+        if self.track_running_stats:
+            self.running_mean.uniform_(-0.5, 0.5)  # type: ignore[operator,union-attr]
+            # Rounded after each op in a half dtype: an init run in one differs from one cast.
+            self.running_var.uniform_(0.5, 2.0).mul_(3.3).add_(0.1)  # type: ignore[operator,union-attr]
+
+
+class _Normed(nn.Module):
+    """An embedding, a batch norm over its channels, and a head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(66, 16)
+        self.norm = _RandomStatsNorm(16)
+        self.head = nn.Linear(16, 66, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(idx).transpose(1, 2)).transpose(1, 2))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "gpt": lambda: GPT(CFG),
     "moe": lambda: GPT(MOE),
     "llama": _llama,
+    "normed": _Normed,
 }
 
 
@@ -60,7 +86,7 @@ def _compare(name: str, policy: dict, mesh: Any = None, expert_mesh: Any = None)
     model = GTPWrap(_built(MODELS[name], meta=True), policy, mesh=mesh, expert_mesh=expert_mesh,
                     device="cpu")  # fmt: skip
     full = gtp_wrap.full_state_dict(model)
-    buffers = dict(model.named_buffers())
+    buffers = {k: v.clone() for k, v in model.named_buffers()}  # before a forward moves them
     eager = GTPWrap(_built(MODELS[name], meta=False), policy, mesh=mesh, expert_mesh=expert_mesh)
     idx = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     out = model(idx)
@@ -68,8 +94,12 @@ def _compare(name: str, policy: dict, mesh: Any = None, expert_mesh: Any = None)
     if not isinstance(out, torch.Tensor):
         out, want = out.logits, want.logits
     return {
-        "params": [k for k, v in ref.state_dict().items() if not torch.equal(full[k], v)],
-        "buffers": [k for k, v in ref.named_buffers() if not torch.equal(buffers[k], v)],
+        "params": [
+            k for k, v in ref.state_dict().items() if not torch.equal(full[k], v.to(full[k]))
+        ],
+        "buffers": [
+            k for k, v in ref.named_buffers() if not torch.equal(buffers[k], v.to(buffers[k]))
+        ],
         "forward": torch.equal(out, want),
     }
 
@@ -82,6 +112,12 @@ def _cases(rank: int, world: int) -> dict:
         "gpt_bf16": _compare("gpt", {**policy, "param_dtype": "bfloat16"}),
         "gpt_fp8": _compare("gpt", {**policy, "param_dtype": "bfloat16", "gather_dtype": "fp8"}),
         "moe_egtp": _compare("moe", {**EXPERTS, **policy}),
+        # The tied embedding and head replicated: the head's reset must not re-draw it.
+        "normed_replicated": _compare("normed", {"min_shard_numel": 10**9}),
+        # Statistics initialized in fp32, then cast, as the unwrapped model cast would.
+        "normed_bf16_stats": _compare(
+            "normed", {**policy, "param_dtype": "bfloat16", "norm_in_fp32": False}
+        ),
     }
     if world == 4:
         out["gpt_2x2"] = _compare("gpt", policy, mesh=mesh_2d(2, 2))
@@ -94,7 +130,7 @@ def _cases(rank: int, world: int) -> dict:
 def test_meta_init_is_the_seeded_unwrapped_model_bitwise(world: int) -> None:
     results = [_cases(0, 1)] if world == 1 else cached_ranks(_cases, world, timeout=300.0)
     for r in results:
-        assert len(r) == (5 if world < 4 else 7)
+        assert len(r) == (7 if world < 4 else 9)
         for case, got in r.items():
             assert got == {"params": [], "buffers": [], "forward": True}, case
 

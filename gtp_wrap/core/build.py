@@ -231,17 +231,21 @@ def build(
         _replace(plan, new)
         cast_weights.append(cast)
         registered.append(new)
-    if dtype is not None and not policy.norm_in_fp32:
-        _cast_norm_statistics(root, dtype)
+    if not on_meta:  # a meta build's statistics are cast after their init (api.py)
+        cast_norm_statistics(root, policy, precision)
     names = [plan.fqns[0] for plan in replicated]
     # Plain data, so the originals the plans were made of (full parameters) are not kept alive.
     decisions = tuple(plan.decision() for plan in plans)
     return Built(weights, storage, packing, cast_weights, registered, names, decisions)
 
 
-def _cast_norm_statistics(root: nn.Module, dtype: torch.dtype) -> None:
-    """Cast the floating running statistics of every running-statistics norm to `dtype`, in
-    place, so they agree with its parameters cast to it (`norm_in_fp32: false`)."""
+def cast_norm_statistics(root: nn.Module, policy: GTPPolicy, precision: Precision) -> None:
+    """Under a param_dtype with `norm_in_fp32: false`, cast the floating running statistics of
+    every running-statistics norm to it, in place, so they agree with its parameters cast to
+    it. After their init: the unwrapped model initializes them in their own dtype."""
+    dtype = precision.param_dtype
+    if dtype is None or policy.norm_in_fp32:
+        return
     for module in root.modules():
         if is_stat_norm(module):
             for name, buffer in module._buffers.items():

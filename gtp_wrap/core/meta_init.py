@@ -72,7 +72,9 @@ class _Replay:
         self.root = root
         self.sharded = {id(w.param): w for w in weights}
         self.gather = gather
-        self.done: set[int] = set()  # sharded weights written (a tied one is gathered next)
+        # Parameters written: a tied sharded one is gathered for its next init, a tied one's
+        # next constructor init runs on scratch.
+        self.done: set[int] = set()
         self.built: set[int] = set()  # modules replayed (one registered twice runs once)
         self.initialized: set[int] = set()  # modules an `_init_weights` hook has seen
         # The flat storages' version counters (one per dtype, shared by its shards): a body
@@ -124,14 +126,17 @@ class _Replay:
         staged: list[tuple[str, nn.Parameter, ShardedWeight, torch.Tensor]] = []
         originals = dict(module._parameters)
         for name, p in originals.items():
-            w = self.sharded.get(id(p)) if p is not None else None
-            if w is None or p is None:
+            if p is None:
                 continue
+            w = self.sharded.get(id(p))
             if id(p) in self.done and constructing:
+                shape = p.shape if w is None else _whole_shape(w)
                 with torch.inference_mode(False):
-                    scratch = torch.empty(_whole_shape(w), dtype=p.dtype, device=p.device)
+                    scratch = torch.empty(shape, dtype=p.dtype, device=p.device)
                 module._parameters[name] = nn.Parameter(scratch, requires_grad=p.requires_grad)
                 continue  # restored below, its values not kept
+            if w is None:
+                continue  # replicated: the init writes it in place
             if id(p) in self.done:
                 whole = self.gather(w)
             else:
@@ -139,6 +144,13 @@ class _Replay:
                     whole = torch.empty(_whole_shape(w), dtype=p.dtype, device=p.device)
             module._parameters[name] = nn.Parameter(whole, requires_grad=p.requires_grad)
             staged.append((name, p, w, whole))
+        # Replicated parameters this init writes in place (a tied one's second init is given
+        # a scratch tensor above, like a sharded one's).
+        replicated = [
+            (p, p._version)
+            for p in originals.values()
+            if p is not None and id(p) not in self.sharded and id(p) not in self.done
+        ]
         before = [f._version for f in self.flats]
         try:
             init()
@@ -154,6 +166,9 @@ class _Replay:
             local = whole if w.ep is None else w.ep.local_of(whole)
             p.copy_(w.geometry.local_rows_of(local))
             self.done.add(id(p))
+        for p, version in replicated:
+            if p._version != version:
+                self.done.add(id(p))
 
     def check_all_written(self) -> None:
         """Every parameter and buffer must have been written by the replay: one whose init runs

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call: where the host time of an eager step goes, per method, on one GPU (world 1):
+# bench_step's step times side by side, then profile_gtp.py's torch.profiler op table and
+# cProfile per method, and host_overhead.py's per-use cost on the GPU host.
+#
+#   bash benchmarks/host_breakdown.sh       # on the GPU machine, from the repo root
+#
+# Environment: METHODS (default: floor gtp gtp_blocks floor_compile gtp_compile), MODEL (125M),
+# BATCH (1). Needs the Hydra wheels in .whl/ (carry it); writes everything under $OUT.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/host_breakdown}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks
+METHODS=${METHODS:-floor gtp gtp_blocks floor_compile gtp_compile}
+MODEL=${MODEL:-125M}
+BATCH=${BATCH:-1}
+timeout 300 torchrun --nproc_per_node 1 benchmarks/bench_step.py --methods $METHODS \
+  --plan "$MODEL:$BATCH" --fused-adamw --rounds 2 --out "$OUT/bench" 2>&1 | grep -v Warning | tail -8
+for m in ${PROFILE_METHODS:-floor gtp gtp_blocks}; do
+  timeout 120 torchrun --nproc_per_node 1 benchmarks/profile_gtp.py --model "$MODEL" \
+    --batch "$BATCH" --method "$m" --fused-adamw --cprofile --out "$OUT/prof_$m" 2>&1 \
+    | grep -v Warning | tail -2
+  echo "== $m: ops"; head -30 "$OUT/prof_$m/ops_rank0.txt"
+  echo "== $m: cProfile"; sed -n 1,45p "$OUT/prof_$m/cprofile_rank0.txt"
+done
+timeout 120 python3 benchmarks/host_overhead.py --device cuda --block 4 --out "$OUT/host_overhead_block4.json" 2>&1 | tail -6
+timeout 120 python3 benchmarks/host_overhead.py --device cuda --out "$OUT/host_overhead_use.json" 2>&1 | tail -6
