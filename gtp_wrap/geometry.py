@@ -84,6 +84,12 @@ class ShardGeometry:
     def padded_rows(self) -> int:
         return self.world * self.rows_per_rank
 
+    @functools.cached_property
+    def even_rows(self) -> bool:
+        """Whether the weight is split along dim 0 into equal blocks (no padding rows): then
+        the full tensor and a rank's block are their own collective layouts, with no view."""
+        return self.dim == 0 and self.padded_rows == self.rows
+
     def slot(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's whole slot (its rows plus any padding rows): what a collective moves."""
         return flat[self.offset : self.offset + self.slot_numel]

@@ -63,10 +63,16 @@ class Precision:
     @property
     def own_linear(self) -> bool:
         """Whether F.linear uses run through the engine's own linear (runtime/uses.py):
-        FP8 GEMMs, or half-precision compute meeting fp32 reductions (the GEMM then writes
-        fp32 weight gradients, see [Note: fp32 weight gradients])."""
+        FP8 GEMMs; half-precision compute meeting fp32 reductions (the GEMM then writes fp32
+        weight gradients, see [Note: fp32 weight gradients]); and compute in the weights' own
+        dtype (saving the input only, not a view of the weight: no saved-tensor round trip,
+        see [Note: the engine's linear])."""
         half = self.param_dtype in (torch.bfloat16, torch.float16)
-        return self.fp8_matmul or (half and self.reduce_dtype == torch.float32)
+        return (
+            self.fp8_matmul
+            or self.param_dtype is None
+            or (half and self.reduce_dtype == torch.float32)
+        )
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype uses of a weight stored in `dtype` compute in."""

@@ -289,7 +289,7 @@ class GTPEngine:
     def _end_pass(self, failed: bool = False) -> None:
         """Close the current pass: drain its gathers, and record its chain unless it failed."""
         state = self.passes.pop()
-        self.gatherer.release_block_calls()
+        self.gatherer.release_held()
         if failed:
             with contextlib.suppress(Exception):
                 self.gatherer.drain(state)
@@ -314,6 +314,12 @@ class GTPEngine:
 
     def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
         return self.gatherer.gather(w, packed)
+
+    def keep_recomputed(self, w: ShardedWeight, full: torch.Tensor) -> None:
+        self.gatherer.keep_recomputed(w, full)
+
+    def regather(self, w: ShardedWeight) -> torch.Tensor:
+        return self.gatherer.regather(w)
 
     def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor) -> None:
         self.reducer.reduce_grad(w, grad)

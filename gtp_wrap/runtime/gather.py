@@ -113,6 +113,15 @@ class SavedDTensorView:
 _CONTEXT = {kind: f"{kind.label}, " for kind in PassKind}  # for error descriptions
 
 
+def _is_whole(saved: SavedWeightView | SavedBlockView, full: torch.Tensor) -> bool:
+    """Whether a saved view is the whole gathered weight `full`, laid out as it is."""
+    return (
+        saved.storage_offset == full.storage_offset()
+        and saved.size == full.shape
+        and saved.stride == full.stride()
+    )
+
+
 class Gatherer(Part):
     """Issues, prefetches and completes the gathers of one engine's passes."""
 
@@ -132,6 +141,7 @@ class Gatherer(Part):
         self.experts = self.comm.mesh.egtp  # the axis expert stacks are sharded over
         self.block_call: BlockCall | None = None  # the block whose forward runs now, if any
         self._held: list[BlockCall] = []  # block calls holding weights gathered in backward
+        self._recomputed: dict[int, torch.Tensor] = {}  # see `keep_recomputed`
 
     def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
         """The logical full weight of `w`, gathered for one use of the current pass (with
@@ -260,19 +270,42 @@ class Gatherer(Part):
             call.unpacked += 1
             if call.unpacked >= call.saved:
                 call.fulls = None  # the last view: the buffers go back with the views
+            if _is_whole(saved, full):
+                return full
             return full.as_strided(saved.size, saved.stride, saved.storage_offset)
         if not isinstance(saved, SavedWeightView):
             return saved
         self.ensure_backward()
         full = self.gather(saved.weight)
+        if _is_whole(saved, full):  # the weight itself, as most uses save it: no view op
+            return full
         return full.as_strided(saved.size, saved.stride, saved.storage_offset)
 
-    def release_block_calls(self) -> None:
-        """At the end of a pass: drop what block calls still hold of their weights (views that
-        this backward did not unpack, as with backward(inputs=...))."""
+    def keep_recomputed(self, w: ShardedWeight, full: torch.Tensor) -> None:
+        """Keep the weight a checkpoint's recompute gathered for the engine's linear, for its
+        input gradient.
+
+        [Note: a recompute keeps its weight] A checkpointed region's forward runs again inside
+        backward, just before its backward, to make what the region saves; the engine's linear
+        saves its input only, so its backward would gather the weight a second time. The
+        weight the recompute gathered is kept instead, until that backward takes it (or the
+        pass ends), as autograd's own linear keeps the view it saves: one gather per weight in
+        a checkpointed backward, not two. Outside a recompute nothing is kept."""
+        self._recomputed[w.index] = full
+
+    def regather(self, w: ShardedWeight) -> torch.Tensor:
+        """The full weight for a backward use of the engine's linear: the one its recompute
+        gathered (see [Note: a recompute keeps its weight]), else gathered again."""
+        full = self._recomputed.pop(w.index, None)
+        return self.gather(w) if full is None else full
+
+    def release_held(self) -> None:
+        """At the end of a pass: drop what block calls and recomputes still hold of their
+        weights (views that this backward did not unpack, as with backward(inputs=...))."""
         for call in self._held:
             call.fulls = None
         self._held.clear()
+        self._recomputed.clear()
 
     def total_bytes(self) -> int:
         """Memory held by the gather buffers of the model and of its graphed regions."""

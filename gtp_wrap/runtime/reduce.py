@@ -33,6 +33,7 @@ class PendingGrad:
     weight: ShardedWeight
     out: torch.Tensor  # the slot-sized result: the new gradient itself, or a staging buffer
     direct: bool  # whether `out` becomes the parameter's grad (it had none yet)
+    shaped: bool  # whether `out` has the shard's own shape (see [Note: unflattened grads])
 
 
 @dataclasses.dataclass
@@ -98,14 +99,29 @@ class GradReducer(Part):
                 and w.param.grad is None
                 and w.grad_state is not GradState.PENDING
             )
-            out = (
-                torch.empty(geo.slot_numel, dtype=dtype, device=self.device)
-                if direct
-                else self._take_staging(geo.slot_numel, dtype)
+            full = grad.to(dtype)
+            # [Note: unflattened grads] A weight split into equal row blocks along dim 0 is
+            # reduce-scattered as it is, into a new gradient of the shard's own shape: every
+            # process-group backend splits the first dim, so neither side needs a view op
+            # (two per weight per step). The copy-engine collectives take flat buffers.
+            shaped = (
+                direct
+                and geo.even_rows
+                and full.is_contiguous()
+                and self.comm.reduce_copies is None
             )
-            full = geo.padded_rows_view(grad.to(dtype))
+            if shaped:
+                shape = (geo.rows_per_rank, *geo.rest)
+                out = torch.empty(shape, dtype=dtype, device=self.device)
+            else:
+                out = (
+                    torch.empty(geo.slot_numel, dtype=dtype, device=self.device)
+                    if direct
+                    else self._take_staging(geo.slot_numel, dtype)
+                )
+                full = geo.padded_rows_view(full)
             w.grad_collected()
-            group.grads.append(PendingGrad(w, out, direct))
+            group.grads.append(PendingGrad(w, out, direct, shaped))
             group.fulls.append(full)
             group.numel += full.numel()
             self.stats.bytes_reduced += full.numel() * full.element_size()
@@ -186,7 +202,7 @@ class GradReducer(Part):
         for g in group.grads:
             w = g.weight
             param = w.param
-            local = w.geometry.local_of_slot(g.out)
+            local = g.out if g.shaped else w.geometry.local_of_slot(g.out)
             w.grad_landed()
             if w.grad_state is GradState.LANDED:  # its last pending gradient
                 self._landed[w] = None

@@ -49,6 +49,7 @@ from .stats import Stats
 
 _CONTAINERS = (list, tuple, dict)
 _LINEAR = F.linear  # what F.linear is, even where a profiler wraps this module's F
+_graph_task_id = torch._C._current_graph_task_id
 
 
 def _holds_parameter(container: list | tuple | dict) -> bool:
@@ -65,6 +66,10 @@ class GradRuntime(Protocol):
     def ensure_backward(self) -> None: ...
 
     def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor: ...
+
+    def keep_recomputed(self, w: ShardedWeight, full: torch.Tensor) -> None: ...
+
+    def regather(self, w: ShardedWeight) -> torch.Tensor: ...
 
     def full_weight(self, p: torch.Tensor) -> torch.Tensor: ...
 
@@ -177,7 +182,7 @@ class Uses:
         w = param.gtp_weight
         if type(w) is not ShardedWeight or len(w.geometry.shape) != 2 or w.tp is not None:
             return None
-        if type(x) is GTPParameter or x.dtype != self.precision.param_dtype or x.dim() == 0:
+        if type(x) is GTPParameter or x.dtype != w.meta.dtype or x.dim() == 0:
             return None
         if x.shape[-1] != w.geometry.shape[1] or (bias is not None and bias.dim() != 1):
             return None
@@ -343,6 +348,8 @@ class ShardedLinear(torch.autograd.Function):
     def forward(ctx, x, param, w, bias, runtime, weight, scale):  # type: ignore[override]
         ctx.runtime, ctx.weight, ctx.param = runtime, weight, param
         ctx.save_for_backward(x)
+        if scale is None and _graph_task_id() != -1:  # a checkpoint's recompute
+            runtime.keep_recomputed(weight, w)
         if scale is None:
             return F.linear(x, w, bias)
         return fp8.linear_forward(x, w, scale, weight.geometry, bias)
@@ -353,18 +360,22 @@ class ShardedLinear(torch.autograd.Function):
         runtime: GradRuntime = ctx.runtime
         weight: ShardedWeight = ctx.weight
         runtime.ensure_backward()
-        g = grad.reshape(-1, weight.geometry.shape[0])
+        # A 2-D input (a token-major batch, as a block's linears see it) needs no reshapes:
+        # three view ops per use fewer.
+        flat = x.dim() == 2
+        g = grad if flat else grad.reshape(-1, weight.geometry.shape[0])
         dx = None
         if _will_run(ctx, 0):  # the weight is re-gathered only when the input needs it
             # With create_graph, dx stays differentiable in the weight, as autograd's is.
             if torch.is_grad_enabled():
                 w = runtime.full_weight(ctx.param)
             else:
-                w = runtime.gather(weight)
-            dx = (g @ w).reshape(x.shape)
+                w = runtime.regather(weight)
+            dx = g @ w if flat else (g @ w).reshape(x.shape)
         if _will_run(ctx, 1):
             dtype = runtime.reduce_dtype or g.dtype
-            runtime.reduce_grad(weight, weight_grad(g, x.reshape(-1, x.shape[-1]), dtype))
+            x2 = x if flat else x.reshape(-1, x.shape[-1])
+            runtime.reduce_grad(weight, weight_grad(g, x2, dtype))
         dbias = g.sum(0) if _will_run(ctx, 3) else None
         return dx, None, None, dbias, None, None, None
 
