@@ -321,8 +321,8 @@ class GTPEngine:
     def regather(self, w: ShardedWeight) -> torch.Tensor:
         return self.gatherer.regather(w)
 
-    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor) -> None:
-        self.reducer.reduce_grad(w, grad)
+    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor, owned: bool = False) -> None:
+        self.reducer.reduce_grad(w, grad, owned)
 
     # ---- for graphs/ ----------------------------------------------------------------------
 

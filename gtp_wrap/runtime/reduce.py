@@ -71,8 +71,10 @@ class GradReducer(Part):
         self.graphed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.staging = self.eager
 
-    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor) -> None:
-        """Collect one use's full weight gradient for its group's reduce-scatter."""
+    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor, owned: bool = False) -> None:
+        """Collect one use's full weight gradient for its group's reduce-scatter. `owned`: the
+        caller made `grad` and holds no other reference to it (the engine's linear's GEMM
+        output), so a gradient with no peer may become `.grad` itself, uncopied."""
         self.ensure_backward()
         if w.region is not None and self.passes.scope is None:
             raise GraphCaptureError(
@@ -85,9 +87,9 @@ class GradReducer(Part):
             dtype = self.reduce_dtype or grad.dtype
             scale = self.scale.get(w.index)
             if scale is not None:
-                grad = grad.to(dtype) * scale
+                grad, owned = grad.to(dtype) * scale, True
             if w.axis.size == 1 and w.replicas.size == 1 and geo.dim == 0:
-                self._land_unreduced(w, grad, dtype)
+                self._land_unreduced(w, grad, dtype, owned)
                 return
             group = self._collecting
             if group.grads and group.grads[-1].weight.axis is not w.axis:
@@ -135,10 +137,12 @@ class GradReducer(Part):
             return True
         return sum(g.weight.unit == w.unit for g in group.grads) >= self.unit_sizes[w.unit]
 
-    def _land_unreduced(self, w: ShardedWeight, grad: torch.Tensor, dtype: torch.dtype) -> None:
+    def _land_unreduced(
+        self, w: ShardedWeight, grad: torch.Tensor, dtype: torch.dtype, owned: bool
+    ) -> None:
         """A gradient with no peer to reduce with (a group of one, no dp) is the shard's
         gradient as it is, rounded to the reduce dtype: it lands at once, with no collective
-        and no staging copy."""
+        and no staging copy (nor any copy, when `owned` and in the shard's dtype)."""
         param = w.param
         self.stats.bytes_reduced += grad.numel() * dtype.itemsize
         self.stats.reduce_scatters += 1  # as a group's is counted, though none is issued
@@ -150,7 +154,9 @@ class GradReducer(Part):
             current.add_(grad.to(dtype).reshape(current.shape))
             return
         geo_dtype = w.geometry.dtype
-        if grad.dtype == dtype == geo_dtype:  # autograd's own tensor: someone else may hold it
+        if grad.dtype == dtype == geo_dtype and owned and grad.is_contiguous():
+            new = grad
+        elif grad.dtype == dtype == geo_dtype:  # autograd's tensor: someone else may hold it
             new = grad.clone(memory_format=torch.contiguous_format)
         else:
             new = grad.to(dtype).to(geo_dtype, memory_format=torch.contiguous_format)

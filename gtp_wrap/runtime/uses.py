@@ -73,7 +73,7 @@ class GradRuntime(Protocol):
 
     def full_weight(self, p: torch.Tensor) -> torch.Tensor: ...
 
-    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor) -> None: ...
+    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor, owned: bool = False) -> None: ...
 
 
 class Uses:
@@ -375,7 +375,7 @@ class ShardedLinear(torch.autograd.Function):
         if _will_run(ctx, 1):
             dtype = runtime.reduce_dtype or g.dtype
             x2 = x if flat else x.reshape(-1, x.shape[-1])
-            runtime.reduce_grad(weight, weight_grad(g, x2, dtype))
+            runtime.reduce_grad(weight, weight_grad(g, x2, dtype), owned=True)
         dbias = g.sum(0) if _will_run(ctx, 3) else None
         return dx, None, None, dbias, None, None, None
 
