@@ -10,11 +10,8 @@
 #
 # Needs the Hydra wheels in .whl/ (carry it); writes logs and bench JSON under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+. "$(dirname "$0")/gpu_env.sh"
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $GPUS, torch $(python3 -c 'import torch; print(torch.__version__)')"
 PYTHONPATH=/tmp/site:$PWD timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \

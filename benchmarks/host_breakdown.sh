@@ -11,11 +11,8 @@
 # Environment: METHODS (default: floor gtp gtp_blocks floor_compile gtp_compile), MODEL (125M),
 # BATCH (1). Needs the Hydra wheels in .whl/ (carry it); writes everything under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/host_breakdown}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+. "$(dirname "$0")/gpu_env.sh"
 METHODS=${METHODS:-floor gtp gtp_blocks floor_compile gtp_compile}
 MODEL=${MODEL:-125M}
 BATCH=${BATCH:-1}
