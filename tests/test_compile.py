@@ -340,3 +340,32 @@ def test_compiled_gpt_on_cuda_equals_eager() -> None:
     _check_parity("gpt", ranks)
     for rank in ranks:
         assert rank["gpt"]["compiled"]["graphs"] == [1, 1, 1]
+
+
+def test_a_blocks_gradients_land_together_in_a_group_of_one() -> None:
+    """World of one, bf16 over fp32 masters: a block's weight gradients land by one cast into
+    one buffer (see [Note: a block's gradients land together]), equal to the unwrapped bf16
+    model's gradients cast to fp32; a second backward accumulates into them."""
+    torch.manual_seed(0)
+    ref = _gpt()
+    model = GTPWrap(_gpt(), {**POLICY, "param_dtype": "bfloat16", "reduce_dtype": "float32"})
+    model.load_state_dict(ref.state_dict())
+    gtp_wrap.gather_per_block(model)
+    ref = ref.to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    want: dict[str, torch.Tensor] = {}
+    for _ in range(2):  # the second accumulates (in fp32, as the reference's sum here)
+        _loss(model, ids).backward()
+        _loss(ref, ids).backward()
+        for n, p in ref.named_parameters():
+            if n.startswith("blocks."):  # outside blocks, uses take the fp32-GEMM route
+                want[n] = want.get(n, 0) + p.grad.float()
+        ref.zero_grad()
+    got = dict(model.named_parameters())
+    assert "blocks.0.attn.qkv.weight" in want and "blocks.2.mlp.down.weight" in want
+    for n, g in want.items():
+        assert torch.equal(got[n].grad, g), n
+    # The block's weights' gradients share one buffer, made in the first backward.
+    qkv, proj = model.blocks[0].attn.qkv.weight, model.blocks[0].attn.o.weight
+    with torch._C.DisableTorchFunctionSubclass():
+        assert qkv.grad.untyped_storage().data_ptr() == proj.grad.untyped_storage().data_ptr()

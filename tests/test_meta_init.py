@@ -121,7 +121,7 @@ def _cases(rank: int, world: int) -> dict:
     }
     if world == 4:
         out["gpt_2x2"] = _compare("gpt", policy, mesh=mesh_2d(2, 2))
-        mesh, expert_mesh = gtp_wrap.make_mesh(gtp=4, ep=2, egtp=2)
+        mesh, expert_mesh = gtp_wrap.make_mesh(gtp=4, ep=2, egtp=2, device_type="cpu")
         out["moe_ep2_egtp2"] = _compare("moe", {**EXPERTS, **policy}, mesh, expert_mesh)
     return out
 

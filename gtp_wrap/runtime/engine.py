@@ -324,6 +324,9 @@ class GTPEngine:
     def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor, owned: bool = False) -> None:
         self.reducer.reduce_grad(w, grad, owned)
 
+    def reduce_grads(self, grads: list[tuple[ShardedWeight, torch.Tensor]]) -> None:
+        self.reducer.reduce_grads(grads)
+
     # ---- for graphs/ ----------------------------------------------------------------------
 
     def current_pass(self) -> PassState | None:

@@ -75,6 +75,8 @@ class GradRuntime(Protocol):
 
     def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor, owned: bool = False) -> None: ...
 
+    def reduce_grads(self, grads: list[tuple[ShardedWeight, torch.Tensor]]) -> None: ...
+
 
 class Uses:
     """Runs the intercepted uses of one engine's parameters."""
@@ -257,14 +259,16 @@ class BlockWeights(torch.autograd.Function):
         uses: Uses = ctx.uses
         out: list[torch.Tensor | None] = [None, None]  # for `uses` and `members`
         runs = _will_run_all(ctx, first=2)
+        sharded: list[tuple[ShardedWeight, torch.Tensor]] = []
         for w, dtype, grad, run in zip(ctx.weights, ctx.dtypes, grads, runs):
             if not run:
                 out.append(None)
             elif type(w) is not ShardedWeight:
                 out.append(None if grad is None else grad.to(dtype))
             else:  # see [Note: unused weights of a block]
-                uses.runtime.reduce_grad(w, uses.zeros_like_use(w) if grad is None else grad)
+                sharded.append((w, uses.zeros_like_use(w) if grad is None else grad))
                 out.append(None)
+        uses.runtime.reduce_grads(sharded)
         return tuple(out)
 
 
