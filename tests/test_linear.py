@@ -101,3 +101,20 @@ def test_gradients_equal_autograds_linear(scenario: str) -> None:
 def test_frozen_shards_are_not_recast_by_steps_of_the_trained_biases() -> None:
     for r in _results():
         assert r["frozen_casts"] == 0
+
+
+def test_forward_mode_ad_takes_autograds_linear() -> None:
+    """Forward-mode AD through the default fp32 policy: the engine's linear has no jvp, so a
+    use under a dual level takes autograd's linear, whose jvp is the unwrapped model's."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    ref = MLP()
+    model = GTPWrap(MLP(), {"min_shard_numel": 0})
+    model.load_state_dict(ref.state_dict())
+    x, t = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)), torch.ones(3, 32)
+    got, want = [], []
+    for m, out in ((model, got), (ref, want)):
+        with fwAD.dual_level():
+            out.append(fwAD.unpack_dual(m(fwAD.make_dual(x, t))).tangent)
+    torch.testing.assert_close(got[0], want[0])

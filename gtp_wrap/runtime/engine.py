@@ -318,8 +318,8 @@ class GTPEngine:
     def keep_recomputed(self, w: ShardedWeight, full: torch.Tensor) -> None:
         self.gatherer.keep_recomputed(w, full)
 
-    def regather(self, w: ShardedWeight) -> torch.Tensor:
-        return self.gatherer.regather(w)
+    def take_recomputed(self, w: ShardedWeight) -> torch.Tensor | None:
+        return self.gatherer.take_recomputed(w)
 
     def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor, owned: bool = False) -> None:
         self.reducer.reduce_grad(w, grad, owned)

@@ -293,11 +293,10 @@ class Gatherer(Part):
         a checkpointed backward, not two. Outside a recompute nothing is kept."""
         self._recomputed[w.index] = full
 
-    def regather(self, w: ShardedWeight) -> torch.Tensor:
-        """The full weight for a backward use of the engine's linear: the one its recompute
-        gathered (see [Note: a recompute keeps its weight]), else gathered again."""
-        full = self._recomputed.pop(w.index, None)
-        return self.gather(w) if full is None else full
+    def take_recomputed(self, w: ShardedWeight) -> torch.Tensor | None:
+        """For a backward of the engine's linear: the weight its recompute gathered, if any
+        (see [Note: a recompute keeps its weight]), no longer kept."""
+        return self._recomputed.pop(w.index, None)
 
     def release_held(self) -> None:
         """At the end of a pass: drop what block calls and recomputes still hold of their

@@ -143,7 +143,8 @@ class GradReducer(Part):
         with torch._C.DisableTorchFunctionSubclass():
             batch = [(w, g) for w, g in grads if self._lands_as_cast(w, g)]
             batch = [(w, g) for w, g in batch if w.geometry.dtype == batch[0][0].geometry.dtype]
-            if len(batch) > 1:
+            # With create_graph the gradients are differentiable: each takes its own route.
+            if len(batch) > 1 and not torch.is_grad_enabled():
                 self.ensure_backward()
                 flat = torch.empty(
                     sum(g.numel() for _, g in batch),

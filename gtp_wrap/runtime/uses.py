@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad
 from torch.utils._pytree import tree_map_only
 
 from ..core.parameter import GTPParameter, written_param
@@ -69,7 +70,7 @@ class GradRuntime(Protocol):
 
     def keep_recomputed(self, w: ShardedWeight, full: torch.Tensor) -> None: ...
 
-    def regather(self, w: ShardedWeight) -> torch.Tensor: ...
+    def take_recomputed(self, w: ShardedWeight) -> torch.Tensor | None: ...
 
     def full_weight(self, p: torch.Tensor) -> torch.Tensor: ...
 
@@ -178,6 +179,8 @@ class Uses:
         2-D weight, an input in the compute dtype, no bias or a 1-D one, and no autocast to
         another dtype (see [Note: fp32 weight gradients])."""
         if func is not _LINEAR or len(args) < 2 or type(args[1]) is not GTPParameter:
+            return None
+        if forward_ad._current_level >= 0:  # forward-mode AD: autograd's linear has a jvp
             return None
         x, param = args[0], args[1]
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -364,6 +367,7 @@ class ShardedLinear(torch.autograd.Function):
         runtime: GradRuntime = ctx.runtime
         weight: ShardedWeight = ctx.weight
         runtime.ensure_backward()
+        kept = runtime.take_recomputed(weight)  # taken whatever runs: its buffer goes back
         # A 2-D input (a token-major batch, as a block's linears see it) needs no reshapes:
         # three view ops per use fewer.
         flat = x.dim() == 2
@@ -374,7 +378,7 @@ class ShardedLinear(torch.autograd.Function):
             if torch.is_grad_enabled():
                 w = runtime.full_weight(ctx.param)
             else:
-                w = runtime.regather(weight)
+                w = runtime.gather(weight) if kept is None else kept
             dx = g @ w if flat else (g @ w).reshape(x.shape)
         if _will_run(ctx, 1):
             dtype = runtime.reduce_dtype or g.dtype
