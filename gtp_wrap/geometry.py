@@ -85,6 +85,11 @@ class ShardGeometry:
         return self.world * self.rows_per_rank
 
     @functools.cached_property
+    def local_shape(self) -> torch.Size:
+        """The shape of this rank's rows in the logical layout (its registered parameter)."""
+        return torch.Size(self.local_rows if i == self.dim else s for i, s in enumerate(self.shape))
+
+    @functools.cached_property
     def even_rows(self) -> bool:
         """Whether the weight is split along dim 0 into equal blocks (no padding rows): then
         the full tensor and a rank's block are their own collective layouts, with no view."""

@@ -65,8 +65,8 @@ class Precision:
         """Whether F.linear uses run through the engine's own linear (runtime/uses.py):
         FP8 GEMMs; half-precision compute meeting fp32 reductions (the GEMM then writes fp32
         weight gradients, see [Note: fp32 weight gradients]); and compute in the weights' own
-        dtype (saving the input only, not a view of the weight: no saved-tensor round trip,
-        see [Note: the engine's linear])."""
+        dtype (it saves the input only, not a view of the weight: no saved-tensor round trip
+        per use)."""
         half = self.param_dtype in (torch.bfloat16, torch.float16)
         return (
             self.fp8_matmul

@@ -33,7 +33,6 @@ class PendingGrad:
     weight: ShardedWeight
     out: torch.Tensor  # the slot-sized result: the new gradient itself, or a staging buffer
     direct: bool  # whether `out` becomes the parameter's grad (it had none yet)
-    shaped: bool  # whether `out` has the shard's own shape (see [Note: unflattened grads])
 
 
 @dataclasses.dataclass
@@ -59,6 +58,13 @@ class GradReducer(Part):
         self.scale = {w.index: 1 / w.ep.size for w in self.weights if average and w.ep}
         self.unit_sizes = collections.Counter(w.unit for w in self.weights if w.unit is not None)
         self.reduce_dtype = reduce_dtype
+        # Weights whose gradients have no peer to reduce with (a group of one, no dp): each
+        # lands at once (`_land_unreduced`), fixed at wrap.
+        self.unreduced = frozenset(
+            w.index
+            for w in self.weights
+            if w.axis.size == 1 and w.replicas.size == 1 and w.geometry.dim == 0
+        )
         self._collecting = ReduceGroup()  # gradients not yet issued
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
         self._averaging: ReduceGroup | None = None  # reduced, its dp all-reduces in flight
@@ -88,7 +94,7 @@ class GradReducer(Part):
             scale = self.scale.get(w.index)
             if scale is not None:
                 grad, owned = grad.to(dtype) * scale, True
-            if w.axis.size == 1 and w.replicas.size == 1 and geo.dim == 0:
+            if w.index in self.unreduced:
                 self._land_unreduced(w, grad, dtype, owned)
                 return
             group = self._collecting
@@ -113,8 +119,7 @@ class GradReducer(Part):
                 and self.comm.reduce_copies is None
             )
             if shaped:
-                shape = (geo.rows_per_rank, *geo.rest)
-                out = torch.empty(shape, dtype=dtype, device=self.device)
+                out = torch.empty(geo.local_shape, dtype=dtype, device=self.device)
             else:
                 out = (
                     torch.empty(geo.slot_numel, dtype=dtype, device=self.device)
@@ -123,7 +128,7 @@ class GradReducer(Part):
                 )
                 full = geo.padded_rows_view(full)
             w.grad_collected()
-            group.grads.append(PendingGrad(w, out, direct, shaped))
+            group.grads.append(PendingGrad(w, out, direct))
             group.fulls.append(full)
             group.numel += full.numel()
             self.stats.bytes_reduced += full.numel() * full.element_size()
@@ -135,49 +140,54 @@ class GradReducer(Part):
 
         [Note: a block's gradients land together] Gradients with no peer to reduce with (a
         group of one, no dp) that become `.grad` (none there yet) in another dtype than they
-        came in would each cost a cast kernel and an allocation: 62 per step at 125M, about
-        3.7 ms of host time on an H200 host (`benchmarks/RESULTS.md`). A block's are instead
-        cast into views of one new flat gradient buffer by one multi-tensor copy. The values
-        are those of `_land_unreduced`: the same casts, where rounding to the reduce dtype
-        first changes nothing (it is the gradient's own dtype or the shard's)."""
+        came in would each cost a cast kernel and an allocation: 62 per step at 125M, where the
+        step's `.to` calls, most of them these casts, took 3.7 ms of host time on an H200 host
+        (`benchmarks/RESULTS.md`). A block's are instead cast into views of one new flat
+        gradient buffer by one multi-tensor copy. The values are those of `_land_unreduced`:
+        the same casts, where rounding to the reduce dtype first changes nothing (it is the
+        gradient's own dtype or the shard's). A differentiable backward (create_graph) lands
+        each on its own route."""
         with torch._C.DisableTorchFunctionSubclass():
-            batch = [(w, g) for w, g in grads if self._lands_as_cast(w, g)]
-            batch = [(w, g) for w, g in batch if w.geometry.dtype == batch[0][0].geometry.dtype]
-            # With create_graph the gradients are differentiable: each takes its own route.
-            if len(batch) > 1 and not torch.is_grad_enabled():
+            together = [] if torch.is_grad_enabled() else self._cast_together(grads)
+            if len(together) > 1:
                 self.ensure_backward()
                 flat = torch.empty(
-                    sum(g.numel() for _, g in batch),
-                    dtype=batch[0][0].geometry.dtype,
+                    sum(g.numel() for _, g in together),
+                    dtype=together[0][0].geometry.dtype,
                     device=self.device,
                 )
-                views = flat.split([g.numel() for _, g in batch])
-                targets = [v.view(w.param.shape) for v, (w, _) in zip(views, batch)]
-                torch._foreach_copy_(targets, [g for _, g in batch])
-                for (w, g), target in zip(batch, targets):
+                views = flat.split([g.numel() for _, g in together])
+                targets = [v.view(w.geometry.local_shape) for v, (w, _) in zip(views, together)]
+                torch._foreach_copy_(targets, [g for _, g in together])
+                for (w, g), target in zip(together, targets):
                     self._landed_now(w, g.numel() * (self.reduce_dtype or g.dtype).itemsize)
                     w.param.grad = target
-                landed = {id(w) for w, _ in batch}
+                landed = {id(w) for w, _ in together}
                 grads = [(w, g) for w, g in grads if id(w) not in landed]
         for w, g in grads:
             self.reduce_grad(w, g)
 
-    def _lands_as_cast(self, w: ShardedWeight, grad: torch.Tensor) -> bool:
-        """Whether `grad` would land unreduced as a cast of itself into a new `.grad` of the
-        shard's dtype, as the first such weight's (see [Note: a block's gradients land
+    def _cast_together(
+        self, grads: list[tuple[ShardedWeight, torch.Tensor]]
+    ) -> list[tuple[ShardedWeight, torch.Tensor]]:
+        """The gradients of `grads` that land unreduced as a cast of themselves into a new
+        `.grad` of the first such weight's dtype (see [Note: a block's gradients land
         together])."""
-        geo = w.geometry
-        dtype = self.reduce_dtype or grad.dtype
-        return (
-            w.axis.size == 1
-            and w.replicas.size == 1
-            and geo.dim == 0
-            and w.region is None
-            and w.index not in self.scale
-            and w.param.grad is None
-            and grad.dtype != geo.dtype
-            and dtype in (grad.dtype, geo.dtype)
-        )
+        out: list[tuple[ShardedWeight, torch.Tensor]] = []
+        for w, grad in grads:
+            dtype = self.reduce_dtype or grad.dtype
+            geo_dtype = w.geometry.dtype
+            if (
+                w.index in self.unreduced
+                and w.index not in self.scale
+                and w.region is None
+                and w.param.grad is None
+                and grad.dtype != geo_dtype
+                and dtype in (grad.dtype, geo_dtype)
+                and (not out or geo_dtype == out[0][0].geometry.dtype)
+            ):
+                out.append((w, grad))
+        return out
 
     def _unit_complete(self, group: ReduceGroup, w: ShardedWeight) -> bool:
         """Whether the group may close after `w`: not between the expert stacks of one layer,
@@ -261,7 +271,8 @@ class GradReducer(Part):
         for g in group.grads:
             w = g.weight
             param = w.param
-            local = g.out if g.shaped else w.geometry.local_of_slot(g.out)
+            geo = w.geometry
+            local = g.out if g.out.shape == geo.local_shape else geo.local_of_slot(g.out)
             w.grad_landed()
             if w.grad_state is GradState.LANDED:  # its last pending gradient
                 self._landed[w] = None

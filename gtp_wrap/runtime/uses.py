@@ -12,7 +12,8 @@ its gradient reaches the engine:
 - `CastGrad`: a replicated parameter read through its compute-dtype copy; the gradient is cast
   back and accumulates into the parameter as usual.
 - `ShardedLinear`: F.linear on a gathered weight, with the weight gradient computed straight in
-  the reduce dtype, and the weight re-gathered in backward for the input gradient.
+  the reduce dtype, and the weight re-gathered in backward for the input gradient (it saves
+  the input only; fp32 weights take it too, for that).
 - `RegionReplay`: a graphed region's forward and backward graphs, replayed (graphs/region.py).
 
 [Note: fp32 weight gradients] With bf16 compute and fp32 reductions, autograd's own linear
