@@ -174,11 +174,10 @@ class CastWeight:
         self.meta = torch.empty(like.shape, dtype=dtype, device="meta")
         self.tp: TPLayout | None = None  # as ShardedWeight.tp
 
-    def refresh(self) -> None:
-        """Re-cast the copy if the parameter changed since it was made."""
-        if self.cast_version != self.param._version and not self.aliased:
-            self.cast.copy_(self.param)
-            self.cast_version = self.param._version
+    def stale(self) -> bool:
+        """Whether the copy must be re-cast: the parameter changed since it was made (the
+        engine's casts re-cast every stale copy together, runtime/casts.py)."""
+        return self.cast_version != self.param._version and not self.aliased
 
 
 def describe_group(weights: list[ShardedWeight], action: str, one: str, context: str) -> str:

@@ -70,8 +70,13 @@ class Casts:
         if self.packing is not None:
             self.stats.weight_casts += self.packing.refresh()
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            for w in self.cast_weights:
-                w.refresh()
+            stale = [w for w in self.cast_weights if w.stale()]
+            if stale:
+                # One multi-tensor cast for them all: a kernel, not one per parameter (the
+                # norms of a transformer, two a layer).
+                torch._foreach_copy_([w.cast for w in stale], [w.param for w in stale])
+                for w in stale:
+                    w.cast_version = w.param._version
 
     def invalidate(self, stepped: set[int] | None = None) -> None:
         """Re-make at the next pass the copies of the parameters whose ids are in `stepped`

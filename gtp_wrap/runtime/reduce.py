@@ -26,6 +26,19 @@ from ..errors import GraphCaptureError
 from .part import Part, Shared
 
 
+def cast_together(
+    grads: list[torch.Tensor], shapes: list[torch.Size], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """`grads` cast to `dtype` into new tensors of `shapes` that are views of one new flat
+    buffer: one allocation and one multi-tensor copy kernel for them all (see [Note: a
+    block's gradients land together])."""
+    flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+    views = flat.split([g.numel() for g in grads])
+    targets = [v.view(shape) for v, shape in zip(views, shapes)]
+    torch._foreach_copy_(targets, grads)
+    return targets
+
+
 @dataclasses.dataclass
 class PendingGrad:
     """One weight gradient in a reduce-scatter group."""
@@ -151,14 +164,11 @@ class GradReducer(Part):
             together = [] if torch.is_grad_enabled() else self._cast_together(grads)
             if len(together) > 1:
                 self.ensure_backward()
-                flat = torch.empty(
-                    sum(g.numel() for _, g in together),
-                    dtype=together[0][0].geometry.dtype,
-                    device=self.device,
+                targets = cast_together(
+                    [g for _, g in together],
+                    [w.geometry.local_shape for w, _ in together],
+                    together[0][0].geometry.dtype,
                 )
-                views = flat.split([g.numel() for _, g in together])
-                targets = [v.view(w.geometry.local_shape) for v, (w, _) in zip(views, together)]
-                torch._foreach_copy_(targets, [g for _, g in together])
                 for (w, g), target in zip(together, targets):
                     self._landed_now(w, g.numel() * (self.reduce_dtype or g.dtype).itemsize)
                     w.param.grad = target

@@ -47,6 +47,7 @@ from ..precision import fp8
 from ..precision.encoding import Precision
 from .gather import BlockCall, BlockMembers, Gatherer
 from .passes import Passes
+from .reduce import cast_together
 from .stats import Stats
 
 _CONTAINERS = (list, tuple, dict)
@@ -264,14 +265,25 @@ class BlockWeights(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None, None]  # for `uses` and `members`
         runs = _will_run_all(ctx, first=2)
         sharded: list[tuple[ShardedWeight, torch.Tensor]] = []
+        # Replicated gradients in another dtype than their parameter's: (slot, gradient).
+        recast: list[tuple[int, torch.Tensor]] = []
         for w, dtype, grad, run in zip(ctx.weights, ctx.dtypes, grads, runs):
-            if not run:
-                out.append(None)
-            elif type(w) is not ShardedWeight:
-                out.append(None if grad is None else grad.to(dtype))
-            else:  # see [Note: unused weights of a block]
+            if run and type(w) is ShardedWeight:  # see [Note: unused weights of a block]
                 sharded.append((w, uses.zeros_like_use(w) if grad is None else grad))
-                out.append(None)
+            elif run and grad is not None and grad.dtype != dtype:
+                recast.append((len(out), grad))
+            out.append(grad if run and type(w) is not ShardedWeight else None)
+        dtypes = {ctx.dtypes[i - 2] for i, _ in recast}
+        if len(recast) > 1 and len(dtypes) == 1 and not torch.is_grad_enabled():
+            # One cast kernel for the block's replicated gradients (its norms), not one each;
+            # a differentiable backward (create_graph) casts each on autograd's route.
+            cast = cast_together([g for _, g in recast], [g.shape for _, g in recast],
+                                 dtypes.pop())  # fmt: skip
+            for (i, _), t in zip(recast, cast):
+                out[i] = t
+        else:
+            for i, g in recast:
+                out[i] = g.to(ctx.dtypes[i - 2])
         uses.runtime.reduce_grads(sharded)
         return tuple(out)
 
