@@ -55,6 +55,26 @@ _LINEAR = F.linear  # what F.linear is, even where a profiler wraps this module'
 _graph_task_id = torch._C._current_graph_task_id
 
 
+def _applied(fn: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """`fn.apply`, without the Python wrapper of `Function.apply` where it does nothing.
+
+    [Note: applying the engine's autograd functions] Every weight use applies one of the
+    autograd functions below. `Function.apply`'s Python wrapper exists for functorch: with
+    its transforms off it only unwraps dead functorch wrappers, one generator step per
+    argument, before calling the C++ apply. That took a quarter of the engine's own time per
+    use (CPU, world 1, `benchmarks/host_overhead.py`; 7 arguments for the engine's linear).
+    The engine's tensors are never functorch wrappers, so with the transforms off the C++
+    apply is called directly; with them on, the wrapper runs as before."""
+    direct = super(torch.autograd.Function, fn).apply  # type: ignore[misc]  # the C++ apply
+    wrapped = fn.apply
+    active = torch._C._are_functorch_transforms_active
+
+    def apply(*args: Any) -> Any:
+        return wrapped(*args) if active() else direct(*args)
+
+    return apply
+
+
 def _holds_parameter(container: list | tuple | dict) -> bool:
     """Whether a managed parameter is in `container` (a shape holds none), nested or not."""
     items = container.values() if type(container) is dict else container
@@ -98,6 +118,14 @@ class Uses:
         self.stats = stats
         self.precision = precision
         self.own_linear = precision.own_linear
+        # What an input must be for the engine's linear, per 2-D sharded weight without tensor
+        # parallelism (the weights it may take, fixed at wrap), by the weight's id: (the
+        # weight, its in_features, its compute dtype).
+        self.linear_inputs: dict[int, tuple[ShardedWeight, int, torch.dtype]] = {
+            id(w): (w, w.geometry.shape[1], w.meta.dtype)
+            for w in gatherer.weights
+            if len(w.geometry.shape) == 2 and w.tp is None
+        }
 
     def use(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Run `func` with each managed parameter among its args replaced by the weight it
@@ -152,7 +180,7 @@ class Uses:
             # backward) hands what it saves to the checkpoint, not to the pass's hooks.
             if not self.gatherer.local and not self.passes.in_backward():
                 call = BlockCall(members)
-            weights = list(BlockWeights.apply(self, members, *members.params))
+            weights = list(_block_weights(self, members, *members.params))
         outer, self.gatherer.block_call = self.gatherer.block_call, call
         try:
             yield [_as_used(w, t) for w, t in zip(members.weights, weights)]
@@ -172,26 +200,28 @@ class Uses:
         w = p.gtp_weight  # type: ignore[attr-defined]
         grad = torch.is_grad_enabled() and p.requires_grad
         if type(w) is not ShardedWeight:  # replicated, used in the compute dtype
-            return _as_used(w, CastGrad.apply(p, w.cast) if grad else w.cast)
+            return _as_used(w, _cast_grad(p, w.cast) if grad else w.cast)
         full = self.gatherer.gather(w)
-        return _as_used(w, RouteGrad.apply(p, full, self.runtime, w) if grad else full)
+        return _as_used(w, _route_grad(p, full, self.runtime, w) if grad else full)
 
     def linear_weight(self, func: Callable, args: tuple, kwargs: dict) -> ShardedWeight | None:
         """The weight if this use is an F.linear that takes the engine's own linear: a sharded
         2-D weight, an input in the compute dtype, no bias or a 1-D one, and no autocast to
         another dtype (see [Note: fp32 weight gradients])."""
-        if func is not _LINEAR or len(args) < 2 or type(args[1]) is not GTPParameter:
-            return None
-        if forward_ad._current_level >= 0:  # forward-mode AD: autograd's linear has a jvp
+        if func is not _LINEAR or len(args) < 2:
             return None
         x, param = args[0], args[1]
+        if type(param) is not GTPParameter or type(x) is GTPParameter:
+            return None
+        takes = self.linear_inputs.get(id(param.gtp_weight))
+        # Under forward-mode AD autograd's linear is taken: it has a jvp.
+        if takes is None or forward_ad._current_level >= 0:
+            return None
+        w, in_features, dtype = takes
+        if x.dtype != dtype or x.dim() == 0 or x.shape[-1] != in_features:
+            return None
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        w = param.gtp_weight
-        if type(w) is not ShardedWeight or len(w.geometry.shape) != 2 or w.tp is not None:
-            return None
-        if type(x) is GTPParameter or x.dtype != w.meta.dtype or x.dim() == 0:
-            return None
-        if x.shape[-1] != w.geometry.shape[1] or (bias is not None and bias.dim() != 1):
+        if bias is not None and bias.dim() != 1:
             return None
         device = x.device.type
         if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != x.dtype:
@@ -222,7 +252,7 @@ class Uses:
         if torch.is_grad_enabled() and (
             x.requires_grad or param.requires_grad or (bias is not None and bias.requires_grad)
         ):
-            return ShardedLinear.apply(x, param, full, bias, self.runtime, w, scale)
+            return _sharded_linear(x, param, full, bias, self.runtime, w, scale)
         assert scale is not None  # without autograd only FP8 GEMMs take this route
         return fp8.linear_forward(x, full, scale, geo, bias)
 
@@ -288,6 +318,9 @@ class BlockWeights(torch.autograd.Function):
         return tuple(out)
 
 
+_block_weights = _applied(BlockWeights)
+
+
 class CastGrad(torch.autograd.Function):
     """A replicated parameter used through its compute-dtype copy."""
 
@@ -299,6 +332,9 @@ class CastGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         return grad.to(ctx.dtype), None
+
+
+_cast_grad = _applied(CastGrad)
 
 
 class RouteGrad(torch.autograd.Function):
@@ -319,6 +355,9 @@ class RouteGrad(torch.autograd.Function):
         return None, None, None, None
 
 
+_route_grad = _applied(RouteGrad)
+
+
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """grad.T @ x (both 2-D, in the compute dtype) as a `dtype` tensor: rounded once when
     `dtype` is fp32 (the engine's route), else the compute-dtype product cast."""
@@ -331,8 +370,22 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torc
     return grad.t().to(dtype) @ x.to(dtype)
 
 
-def _will_run(ctx, index: int) -> bool:
-    """Whether this backward needs the gradient of input `index`.
+def _will_run_all(ctx, first: int) -> list[bool]:
+    """`_runs` for every input from `first` on, all tensors, reading the node's edges once
+    (they leave out the inputs before `first`, which are not tensors)."""
+    edges = ctx.next_functions
+    return [_runs(needed, node) for needed, (node, _) in zip(ctx.needs_input_grad[first:], edges)]
+
+
+def _asked(needs: tuple[bool, ...], edges: tuple, index: int) -> bool:
+    """`_runs` for input `index`, given `ctx.needs_input_grad` and `ctx.next_functions`
+    (whose entries stop at the last tensor input: read only where the input needs one)."""
+    return needs[index] and _runs(True, edges[index][0])
+
+
+def _runs(needed: bool, node: Any) -> bool:
+    """Whether this backward needs the gradient of an input: `needed`, its entry of
+    `ctx.needs_input_grad`, and `node`, its edge's node in `ctx.next_functions`.
 
     [Note: needs_input_grad] `ctx.needs_input_grad` is fixed at forward time, while autograd's
     own nodes compute only what the running backward asks for: `autograd.grad(loss, x)` or
@@ -340,17 +393,6 @@ def _will_run(ctx, index: int) -> bool:
     nodes it will run; asked about a node outside the graph it raises, and then the gradient
     is computed, as before.
     """
-    return ctx.needs_input_grad[index] and _runs(True, ctx.next_functions[index][0])
-
-
-def _will_run_all(ctx, first: int) -> list[bool]:
-    """`_will_run` for every input from `first` on, all tensors, reading the node's edges
-    once (they leave out the inputs before `first`, which are not tensors)."""
-    edges = ctx.next_functions
-    return [_runs(needed, node) for needed, (node, _) in zip(ctx.needs_input_grad[first:], edges)]
-
-
-def _runs(needed: bool, node: Any) -> bool:
     if not needed:
         return False
     try:
@@ -386,19 +428,23 @@ class ShardedLinear(torch.autograd.Function):
         flat = x.dim() == 2
         g = grad if flat else grad.reshape(-1, weight.geometry.shape[0])
         dx = None
-        if _will_run(ctx, 0):  # the weight is re-gathered only when the input needs it
+        needs, edges = ctx.needs_input_grad, ctx.next_functions  # read once: each is a tuple
+        if _asked(needs, edges, 0):  # the weight is re-gathered only when x needs it
             # With create_graph, dx stays differentiable in the weight, as autograd's is.
             if torch.is_grad_enabled():
                 w = runtime.full_weight(ctx.param)
             else:
                 w = runtime.gather(weight) if kept is None else kept
             dx = g @ w if flat else (g @ w).reshape(x.shape)
-        if _will_run(ctx, 1):
+        if _asked(needs, edges, 1):
             dtype = runtime.reduce_dtype or g.dtype
             x2 = x if flat else x.reshape(-1, x.shape[-1])
             runtime.reduce_grad(weight, weight_grad(g, x2, dtype), owned=True)
-        dbias = g.sum(0) if _will_run(ctx, 3) else None
+        dbias = g.sum(0) if _asked(needs, edges, 3) else None
         return dx, None, None, dbias, None, None, None
+
+
+_sharded_linear = _applied(ShardedLinear)
 
 
 class ReplayedRegion(Protocol):
