@@ -1,0 +1,181 @@
+"""Where an eager step's host time goes, timed in place: per phase, and per engine function.
+
+    python benchmarks/step_phases.py                                    # CPU, a tiny GPT
+    torchrun --nproc_per_node 1 benchmarks/step_phases.py --model 125M --batch 1 --fused-adamw
+
+bench_step.py's methods (floor, gtp, gtp_blocks, ...) on bench_step.py's model and step, at a
+world of one, interleaved over `--rounds` rounds. Each step is cut into its phases (forward and
+loss, backward, optimizer step, zero_grad) and each phase's host time is read with
+`time.perf_counter` around it, with no device synchronization inside the step: at batch 1 the
+step is host-bound, so the host's time per phase is what the step is made of (the device is
+synchronized once per step, after it). Besides, the engine functions of `TIMED` are timed where
+they run (on the autograd thread too, where a GPU's backward runs them), so their share of each
+phase is read without a profiler, whose own overhead grows with the Python it traces. Each
+figure is the smallest, over the rounds, of a round's median per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from bench_step import MODELS, _build, batch_of, clear_grads
+
+from gtp_wrap.app.launch import launch
+from gtp_wrap.app.model import GPTConfig
+from gtp_wrap.runtime import casts, engine, gather, reduce, uses
+
+MODELS = {**MODELS, "tiny": GPTConfig(vocab=256, d=64, layers=12, heads=4, ffn=128, max_seq=64)}
+PHASES = ("forward", "backward", "optimizer", "zero_grad")
+# (owner, attribute, whether it is a static method): the engine's per-block, per-use and
+# per-pass functions.
+TIMED = (
+    (uses.Uses, "gathered", False),
+    (uses.BlockWeights, "forward", True),
+    (uses.BlockWeights, "backward", True),
+    (uses.Uses, "use", False),
+    (uses.ShardedLinear, "forward", True),
+    (uses.ShardedLinear, "backward", True),
+    (reduce.GradReducer, "reduce_grad", False),
+    (reduce.GradReducer, "reduce_grads", False),
+    (gather.Gatherer, "gather", False),
+    (casts.Casts, "refresh", False),
+    (engine.GTPEngine, "open_forward", False),
+    (engine.GTPEngine, "close_forward", False),
+    (engine.GTPEngine, "_end_backward", False),
+)
+
+
+class Timers:
+    """Host time and calls of the `TIMED` functions, while `on`."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.on = False
+        for owner, name, static in TIMED:
+            fn = owner.__dict__[name]
+            timed = self._timed(f"{owner.__name__}.{name}", fn.__func__ if static else fn)
+            setattr(owner, name, staticmethod(timed) if static else timed)
+
+    def _timed(self, key: str, fn: Callable) -> Callable:
+        clock = time.perf_counter
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            began = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[key] += clock() - began
+                self.calls[key] += 1
+
+        return timed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    cfg = MODELS[args.model]
+    timers = Timers()
+    built = {m: _build(m, cfg, device, 1, {}, args.fused_adamw)[:2] for m in args.methods}
+    idx = batch_of(cfg, args.batch, args.seq, device)
+    x, y = idx[:, :-1], idx[:, 1:]
+    best: dict[str, dict[str, float]] = {m: {} for m in args.methods}
+    calls: dict[str, dict[str, int]] = {}
+    for _ in range(args.rounds):
+        for method, (model, optim) in built.items():
+            per: dict[str, list[float]] = collections.defaultdict(list)
+            timers.calls.clear()
+            for step in range(args.warmup + args.steps):
+                timed = step >= args.warmup
+                timers.on = timed and method.startswith("gtp")
+                before = dict(timers.seconds)
+                _sync(device)
+                t0 = time.perf_counter()
+                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                optim.step()
+                t3 = time.perf_counter()
+                clear_grads(method, model, optim)
+                t4 = time.perf_counter()
+                _sync(device)
+                t5 = time.perf_counter()
+                if not timed:
+                    continue
+                for phase, a, b in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+                    per[phase].append(b - a)
+                per["step"].append(t5 - t0)
+                for key in timers.calls:
+                    per[key].append(timers.seconds[key] - before.get(key, 0.0))
+            calls[method] = {k: v // args.steps for k, v in timers.calls.items()}
+            for key, values in per.items():
+                median = statistics.median(values)
+                best[method][key] = min(best[method].get(key, median), median)
+    return {"ms": {m: {k: 1e3 * v for k, v in b.items()} for m, b in best.items()},
+            "calls_per_step": calls}  # fmt: skip
+
+
+def table(result: dict[str, Any]) -> str:
+    """Milliseconds per step, a column per method; an engine function's calls per step after
+    its time."""
+    ms, calls = result["ms"], result["calls_per_step"]
+    methods = list(ms)
+    keys = ["step", *PHASES] + sorted({k for m in methods for k in ms[m]} - {"step", *PHASES})
+    lines = ["| ms per step | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for key in keys:
+        row = [
+            f"{ms[m][key]:.2f}" + (f" ({calls[m][key]})" if key in calls[m] else "")
+            if key in ms[m]
+            else ""
+            for m in methods
+        ]
+        lines.append(f"| {key} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=None, help="default: 16 for tiny, else 2048")
+    ap.add_argument("--methods", nargs="+", default=["floor", "gtp", "gtp_blocks"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--fused-adamw", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    args.seq = args.seq or (16 if args.model == "tiny" else 2048)
+    launch(_rank, 1, args, cpu=not torch.cuda.is_available())
+
+
+def _rank(device: torch.device, args: argparse.Namespace) -> None:
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the host's own time, not intra-op threads'
+    result = {"command": {k: str(v) for k, v in vars(args).items()}, "device": str(device),
+              **measure(args, device)}  # fmt: skip
+    print(table(result))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
