@@ -344,9 +344,8 @@ def test_compiled_gpt_on_cuda_equals_eager() -> None:
 
 def test_a_blocks_gradients_land_together_in_a_group_of_one() -> None:
     """World of one, bf16 over fp32 masters: a block's weight gradients land by one cast into
-    one buffer (see [Note: a block's gradients land together]), and its replicated norms'
-    by one cast into another, equal to the unwrapped bf16 model's gradients cast to fp32; a
-    second backward accumulates into them."""
+    one buffer (see [Note: a block's gradients land together]), equal to the unwrapped bf16
+    model's gradients cast to fp32; a second backward accumulates into them."""
     torch.manual_seed(0)
     ref = _gpt()
     model = GTPWrap(_gpt(), {**POLICY, "param_dtype": "bfloat16", "reduce_dtype": "float32"})
@@ -370,9 +369,6 @@ def test_a_blocks_gradients_land_together_in_a_group_of_one() -> None:
     qkv, proj = model.blocks[0].attn.qkv.weight, model.blocks[0].attn.o.weight
     with torch._C.DisableTorchFunctionSubclass():
         assert qkv.grad.untyped_storage().data_ptr() == proj.grad.untyped_storage().data_ptr()
-    norms = model.blocks[0].attn_norm.weight, model.blocks[0].mlp_norm.weight
-    assert norms[0].grad.untyped_storage().data_ptr() == norms[1].grad.untyped_storage().data_ptr()
-    assert "blocks.0.attn_norm.weight" in want
     # A differentiable backward (create_graph) lands each gradient on its own route (its values
     # as before this change: autograd's create_graph backward rounds a little differently).
     model.zero_grad(set_to_none=True)

@@ -47,7 +47,6 @@ from ..precision import fp8
 from ..precision.encoding import Precision
 from .gather import BlockCall, BlockMembers, Gatherer
 from .passes import Passes
-from .reduce import cast_together
 from .stats import Stats
 
 _CONTAINERS = (list, tuple, dict)
@@ -61,10 +60,12 @@ def _applied(fn: type[torch.autograd.Function]) -> Callable[..., Any]:
     [Note: applying the engine's autograd functions] Every weight use applies one of the
     autograd functions below. `Function.apply`'s Python wrapper exists for functorch: with
     its transforms off it only unwraps dead functorch wrappers, one generator step per
-    argument, before calling the C++ apply. That took a quarter of the engine's own time per
-    use (CPU, world 1, `benchmarks/host_overhead.py`; 7 arguments for the engine's linear).
-    The engine's tensors are never functorch wrappers, so with the transforms off the C++
-    apply is called directly; with them on, the wrapper runs as before."""
+    argument (7 for the engine's linear), before calling the C++ apply: about 2 us a call on
+    CPU, of the engine's 14 us per use at a world of one. The engine's tensors are never
+    functorch wrappers, so with the transforms off the C++ apply is called directly; with
+    them on, the wrapper runs as before. (With the linear's checks decided at wrap, the
+    H200 host's time in `Uses.use` fell by 0.6-0.7 ms a step at 125M, batch 1, 87 uses:
+    `benchmarks/step_phases.py`, `benchmarks/RESULTS.md`.)"""
     direct = super(torch.autograd.Function, fn).apply  # type: ignore[misc]  # the C++ apply
     wrapped = fn.apply
     active = torch._C._are_functorch_transforms_active
@@ -295,25 +296,14 @@ class BlockWeights(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None, None]  # for `uses` and `members`
         runs = _will_run_all(ctx, first=2)
         sharded: list[tuple[ShardedWeight, torch.Tensor]] = []
-        # Replicated gradients in another dtype than their parameter's: (slot, gradient).
-        recast: list[tuple[int, torch.Tensor]] = []
         for w, dtype, grad, run in zip(ctx.weights, ctx.dtypes, grads, runs):
-            if run and type(w) is ShardedWeight:  # see [Note: unused weights of a block]
+            if not run:
+                out.append(None)
+            elif type(w) is not ShardedWeight:
+                out.append(None if grad is None else grad.to(dtype))
+            else:  # see [Note: unused weights of a block]
                 sharded.append((w, uses.zeros_like_use(w) if grad is None else grad))
-            elif run and grad is not None and grad.dtype != dtype:
-                recast.append((len(out), grad))
-            out.append(grad if run and type(w) is not ShardedWeight else None)
-        dtypes = {ctx.dtypes[i - 2] for i, _ in recast}
-        if len(recast) > 1 and len(dtypes) == 1 and not torch.is_grad_enabled():
-            # One cast kernel for the block's replicated gradients (its norms), not one each;
-            # a differentiable backward (create_graph) casts each on autograd's route.
-            cast = cast_together([g for _, g in recast], [g.shape for _, g in recast],
-                                 dtypes.pop())  # fmt: skip
-            for (i, _), t in zip(recast, cast):
-                out[i] = t
-        else:
-            for i, g in recast:
-                out[i] = g.to(ctx.dtypes[i - 2])
+                out.append(None)
         uses.runtime.reduce_grads(sharded)
         return tuple(out)
 
