@@ -9,7 +9,8 @@
 # this tree's, on the same host, and its host_overhead.py after this tree's.
 #
 # Environment: METHODS (default: floor gtp gtp_blocks floor_compile gtp_compile), MODEL (125M),
-# BATCH (1). Needs the Hydra wheels in .whl/ (carry it); writes everything under $OUT.
+# BATCH (1). Needs the Hydra wheels in .whl/ (carry it); writes everything into
+# $OUT/host_breakdown.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/host_breakdown}
 . "$(dirname "$0")/gpu_env.sh"
@@ -39,3 +40,7 @@ overhead() {  # tree, name
 }
 overhead . new
 if [ -n "${1:-}" ]; then overhead "$1" old; fi
+# The device machine returns at most 8 files: everything comes back as one archive, without the
+# Chrome traces (tens of MB each; profile_gtp.py writes one per method).
+rm -f "$OUT"/prof_*/trace_rank0.json
+tar czf /tmp/host_breakdown.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/host_breakdown.tgz "$OUT/"
