@@ -39,7 +39,6 @@ PHASES = ("forward", "backward", "optimizer", "zero_grad")
 # (owner, attribute, whether it is a static method): the engine's per-block, per-use and
 # per-pass functions.
 TIMED = (
-    (uses.Uses, "gathered", False),
     (uses.BlockWeights, "forward", True),
     (uses.BlockWeights, "backward", True),
     (uses.Uses, "use", False),

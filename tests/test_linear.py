@@ -103,6 +103,31 @@ def test_frozen_shards_are_not_recast_by_steps_of_the_trained_biases() -> None:
         assert r["frozen_casts"] == 0
 
 
+def test_an_input_that_outlived_a_functorch_transform_trains_as_unwrapped() -> None:
+    """A tensor that leaked out of torch.func.grad (a dead functorch wrapper) fed to the
+    engine's linear: its autograd function is applied through Function.apply's unwrapping
+    (see [Note: applying the engine's autograd functions]), so backward reaches the input as
+    autograd's own linear does."""
+    torch.manual_seed(0)
+    ref = MLP()
+    model = GTPWrap(MLP(), {"min_shard_numel": 0})
+    model.load_state_dict(ref.state_dict())
+    leaked: list[torch.Tensor] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        leaked.append(x * 2)  # outlives the transform, with the outer graph's history
+        return x.sum()
+
+    grads = []
+    for m in (model, ref):
+        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch.func.grad(f)(x)
+        assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[-1])
+        m(leaked[-1]).sum().backward()
+        grads.append((x.grad, dict(m.named_parameters())["a.weight"].grad))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 def test_forward_mode_ad_takes_autograds_linear() -> None:
     """Forward-mode AD through the default fp32 policy: the engine's linear has no jvp, so a
     use under a dual level takes autograd's linear, whose jvp is the unwrapped model's."""
