@@ -36,21 +36,20 @@ from gtp_wrap.runtime import casts, engine, gather, reduce, uses
 
 MODELS = {**MODELS, "tiny": GPTConfig(vocab=256, d=64, layers=12, heads=4, ffn=128, max_seq=64)}
 PHASES = ("forward", "backward", "optimizer", "zero_grad")
-# (owner, attribute, whether it is a static method): the engine's per-block, per-use and
-# per-pass functions.
+# (owner, attribute): the engine's per-block, per-use and per-pass functions.
 TIMED = (
-    (uses.BlockWeights, "forward", True),
-    (uses.BlockWeights, "backward", True),
-    (uses.Uses, "use", False),
-    (uses.ShardedLinear, "forward", True),
-    (uses.ShardedLinear, "backward", True),
-    (reduce.GradReducer, "reduce_grad", False),
-    (reduce.GradReducer, "reduce_grads", False),
-    (gather.Gatherer, "gather", False),
-    (casts.Casts, "refresh", False),
-    (engine.GTPEngine, "open_forward", False),
-    (engine.GTPEngine, "close_forward", False),
-    (engine.GTPEngine, "_end_backward", False),
+    (uses.BlockWeights, "forward"),
+    (uses.BlockWeights, "backward"),
+    (uses.Uses, "use"),
+    (uses.ShardedLinear, "forward"),
+    (uses.ShardedLinear, "backward"),
+    (reduce.GradReducer, "reduce_grad"),
+    (reduce.GradReducer, "reduce_grads"),
+    (gather.Gatherer, "gather"),
+    (casts.Casts, "refresh"),
+    (engine.GTPEngine, "open_forward"),
+    (engine.GTPEngine, "close_forward"),
+    (engine.GTPEngine, "_end_backward"),
 )
 
 
@@ -61,8 +60,9 @@ class Timers:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self.on = False
-        for owner, name, static in TIMED:
+        for owner, name in TIMED:
             fn = owner.__dict__[name]
+            static = isinstance(fn, staticmethod)
             timed = self._timed(f"{owner.__name__}.{name}", fn.__func__ if static else fn)
             setattr(owner, name, staticmethod(timed) if static else timed)
 

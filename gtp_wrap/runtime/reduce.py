@@ -26,19 +26,6 @@ from ..errors import GraphCaptureError
 from .part import Part, Shared
 
 
-def cast_together(
-    grads: list[torch.Tensor], shapes: list[torch.Size], dtype: torch.dtype
-) -> list[torch.Tensor]:
-    """`grads` cast to `dtype` into new tensors of `shapes` that are views of one new flat
-    buffer: one allocation and one multi-tensor copy kernel for them all (see [Note: a
-    block's gradients land together])."""
-    flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
-    views = flat.split([g.numel() for g in grads])
-    targets = [v.view(shape) for v, shape in zip(views, shapes)]
-    torch._foreach_copy_(targets, grads)
-    return targets
-
-
 @dataclasses.dataclass
 class PendingGrad:
     """One weight gradient in a reduce-scatter group."""
@@ -78,6 +65,9 @@ class GradReducer(Part):
             for w in self.weights
             if w.axis.size == 1 and w.replicas.size == 1 and w.geometry.dim == 0
         )
+        # Of those, the ones a block's backward may land together (see [Note: a block's
+        # gradients land together]): no expert-stack scale to apply first.
+        self.batchable = self.unreduced - self.scale.keys()
         self._collecting = ReduceGroup()  # gradients not yet issued
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
         self._averaging: ReduceGroup | None = None  # reduced, its dp all-reduces in flight
@@ -161,43 +151,45 @@ class GradReducer(Part):
         gradient's own dtype or the shard's). A differentiable backward (create_graph) lands
         each on its own route."""
         with torch._C.DisableTorchFunctionSubclass():
-            together = [] if torch.is_grad_enabled() else self._cast_together(grads)
-            if len(together) > 1:
+            together, rest = ([], grads) if torch.is_grad_enabled() else self._split(grads)
+            if len(together) > 1:  # one alone lands on its own route, as the rest do
+                grads = rest
                 self.ensure_backward()
-                targets = cast_together(
-                    [g for _, g in together],
-                    [w.geometry.local_shape for w, _ in together],
-                    together[0][0].geometry.dtype,
+                flat = torch.empty(
+                    sum(g.numel() for _, g in together),
+                    dtype=together[0][0].geometry.dtype,
+                    device=self.device,
                 )
+                views = flat.split([g.numel() for _, g in together])
+                targets = [v.view(w.geometry.local_shape) for v, (w, _) in zip(views, together)]
+                torch._foreach_copy_(targets, [g for _, g in together])
                 for (w, g), target in zip(together, targets):
                     self._landed_now(w, g.numel() * (self.reduce_dtype or g.dtype).itemsize)
                     w.param.grad = target
-                landed = {id(w) for w, _ in together}
-                grads = [(w, g) for w, g in grads if id(w) not in landed]
         for w, g in grads:
             self.reduce_grad(w, g)
 
-    def _cast_together(
+    def _split(
         self, grads: list[tuple[ShardedWeight, torch.Tensor]]
-    ) -> list[tuple[ShardedWeight, torch.Tensor]]:
-        """The gradients of `grads` that land unreduced as a cast of themselves into a new
-        `.grad` of the first such weight's dtype (see [Note: a block's gradients land
-        together])."""
-        out: list[tuple[ShardedWeight, torch.Tensor]] = []
+    ) -> tuple[list[tuple[ShardedWeight, torch.Tensor]], list[tuple[ShardedWeight, torch.Tensor]]]:
+        """`grads` as (those that land unreduced as a cast of themselves into a new `.grad` of
+        the first such weight's dtype, the rest), each in order (see [Note: a block's
+        gradients land together])."""
+        together: list[tuple[ShardedWeight, torch.Tensor]] = []
+        rest: list[tuple[ShardedWeight, torch.Tensor]] = []
         for w, grad in grads:
             dtype = self.reduce_dtype or grad.dtype
             geo_dtype = w.geometry.dtype
-            if (
-                w.index in self.unreduced
-                and w.index not in self.scale
+            lands = (
+                w.index in self.batchable
                 and w.region is None
                 and w.param.grad is None
                 and grad.dtype != geo_dtype
                 and dtype in (grad.dtype, geo_dtype)
-                and (not out or geo_dtype == out[0][0].geometry.dtype)
-            ):
-                out.append((w, grad))
-        return out
+                and (not together or geo_dtype == together[0][0].geometry.dtype)
+            )
+            (together if lands else rest).append((w, grad))
+        return together, rest
 
     def _unit_complete(self, group: ReduceGroup, w: ShardedWeight) -> bool:
         """Whether the group may close after `w`: not between the expert stacks of one layer,

@@ -55,8 +55,9 @@ _graph_task_id = torch._C._current_graph_task_id
 _is_wrapper = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-def _applied(fn: type[torch.autograd.Function]) -> Callable[..., Any]:
-    """`fn.apply`, without the Python wrapper of `Function.apply` where it does nothing.
+def _applied(fn: type[torch.autograd.Function], user: tuple[int, ...] = ()) -> Callable[..., Any]:
+    """`fn.apply`, without the Python wrapper of `Function.apply` where it does nothing;
+    `user`: the positions of arguments that come from the user's code.
 
     [Note: applying the engine's autograd functions] Every weight use applies one of the
     autograd functions below. `Function.apply`'s Python wrapper exists for functorch: with
@@ -64,16 +65,21 @@ def _applied(fn: type[torch.autograd.Function]) -> Callable[..., Any]:
     argument (7 for the engine's linear), before calling the C++ apply: about 2 us a call on
     CPU, of the engine's 14 us per use at a world of one. The engine's own tensors are never
     functorch wrappers, so with the transforms off the C++ apply is called directly; with
-    them on, the wrapper runs as before. The linear's input and bias are the user's: one that
-    outlived a transform (a dead wrapper) takes the wrapper too (see `Uses._linear`). (With
-    the linear's checks decided at wrap, the H200 host's time in `Uses.use` fell by 0.6-0.7
-    ms a step at 125M, batch 1, 87 uses: `benchmarks/step_phases.py`, `benchmarks/RESULTS.md`.)"""
+    them on, or where a user's argument (the linear's input or bias) outlived a transform (a
+    dead wrapper), the wrapper runs as before. (With the linear's checks decided at wrap,
+    the H200 host's time in `Uses.use` fell by 0.6-0.7 ms a step at 125M, batch 1, 87 uses:
+    `benchmarks/step_phases.py`, `benchmarks/RESULTS.md`.)"""
     direct = super(torch.autograd.Function, fn).apply  # type: ignore[misc]  # the C++ apply
     wrapped = fn.apply
     active = torch._C._are_functorch_transforms_active
 
     def apply(*args: Any) -> Any:
-        return wrapped(*args) if active() else direct(*args)
+        if active():
+            return wrapped(*args)
+        for i in user:
+            if args[i] is not None and _is_wrapper(args[i]):
+                return wrapped(*args)
+        return direct(*args)
 
     return apply
 
@@ -255,9 +261,7 @@ class Uses:
         if torch.is_grad_enabled() and (
             x.requires_grad or param.requires_grad or (bias is not None and bias.requires_grad)
         ):
-            dead = _is_wrapper(x) or (bias is not None and _is_wrapper(bias))
-            apply = ShardedLinear.apply if dead else _sharded_linear
-            return apply(x, param, full, bias, self.runtime, w, scale)
+            return _sharded_linear(x, param, full, bias, self.runtime, w, scale)
         assert scale is not None  # without autograd only FP8 GEMMs take this route
         return fp8.linear_forward(x, full, scale, geo, bias)
 
@@ -438,7 +442,7 @@ class ShardedLinear(torch.autograd.Function):
         return dx, None, None, dbias, None, None, None
 
 
-_sharded_linear = _applied(ShardedLinear)
+_sharded_linear = _applied(ShardedLinear, user=(0, 3))  # the input and the bias
 
 
 class ReplayedRegion(Protocol):
