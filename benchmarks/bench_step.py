@@ -50,7 +50,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import gtp_wrap
-from gtp_wrap import GTPWrap
 from gtp_wrap.app.launch import launch, under_torchrun
 from gtp_wrap.app.model import GPT, GPTConfig
 
@@ -84,8 +83,10 @@ def _adamw(params: Any, fused: bool, capturable: bool = False) -> torch.optim.Ad
 
 
 def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict,
-           fused_adamw: bool = False):  # fmt: skip
-    """(model, optimizer, autocast dtype or None); the floor's optimizer steps a 1/N shard."""
+           fused_adamw: bool = False, lib: Any = gtp_wrap):  # fmt: skip
+    """(model, optimizer, autocast dtype or None); the floor's optimizer steps a 1/N shard.
+    `lib`: the gtp_wrap package the gtp methods wrap with (step_phases.py's --baseline loads
+    another commit's under another name)."""
     if method.startswith("floor"):
         model = _model(cfg, device, torch.bfloat16)
         if method == "floor_compile":
@@ -116,11 +117,11 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         policy["fp8_matmul"] = method == "gtp_fp8_gemm"
     if cfg.d < 512:
         policy["min_shard_numel"] = 0
-    GTPWrap(model, policy)
+    lib.GTPWrap(model, policy)
     if method == "gtp_compile":
-        gtp_wrap.compile(model)
+        lib.compile(model)
     if method == "gtp_blocks":
-        gtp_wrap.gather_per_block(model)
+        lib.gather_per_block(model)
     return model, _adamw(model.parameters(), fused_adamw, method == "gtp_graph"), None
 
 

@@ -12,6 +12,11 @@ synchronized once per step, after it). Besides, the engine functions of `TIMED` 
 they run (on the autograd thread too, where a GPU's backward runs them), so their share of each
 phase is read without a profiler, whose own overhead grows with the Python it traces. Each
 figure is the smallest, over the rounds, of a round's median per step.
+
+With `--baseline TREE` (a checkout of another commit, e.g. `git worktree add /tmp/base HEAD~3`)
+each gtp method also runs on that tree's gtp_wrap, imported beside this one as
+`gtp_wrap_baseline`, as `<method>@base`: both trees' steps interleave in one process on one
+host, where two runs one after the other moved the floor by 15-20 % on the H200 host.
 """
 
 from __future__ import annotations
@@ -19,9 +24,13 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import importlib
+import importlib.util
 import json
 import statistics
+import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,41 +39,63 @@ import torch
 import torch.nn.functional as F
 from bench_step import MODELS, _build, batch_of, clear_grads
 
+import gtp_wrap
 from gtp_wrap.app.launch import launch
 from gtp_wrap.app.model import GPTConfig
-from gtp_wrap.runtime import casts, engine, gather, reduce, uses
 
 MODELS = {**MODELS, "tiny": GPTConfig(vocab=256, d=64, layers=12, heads=4, ffn=128, max_seq=64)}
 PHASES = ("forward", "backward", "optimizer", "zero_grad")
-# (owner, attribute): the engine's per-block, per-use and per-pass functions.
+# (module of runtime/, class, attribute): the engine's per-block, per-use and per-pass functions.
 TIMED = (
-    (uses.BlockWeights, "forward"),
-    (uses.BlockWeights, "backward"),
-    (uses.Uses, "use"),
-    (uses.ShardedLinear, "forward"),
-    (uses.ShardedLinear, "backward"),
-    (reduce.GradReducer, "reduce_grad"),
-    (reduce.GradReducer, "reduce_grads"),
-    (gather.Gatherer, "gather"),
-    (casts.Casts, "refresh"),
-    (engine.GTPEngine, "open_forward"),
-    (engine.GTPEngine, "close_forward"),
-    (engine.GTPEngine, "_end_backward"),
+    ("uses", "BlockWeights", "forward"),
+    ("uses", "BlockWeights", "backward"),
+    ("uses", "Uses", "use"),
+    ("uses", "ShardedLinear", "forward"),
+    ("uses", "ShardedLinear", "backward"),
+    ("reduce", "GradReducer", "reduce_grad"),
+    ("reduce", "GradReducer", "reduce_grads"),
+    ("gather", "Gatherer", "gather"),
+    ("casts", "Casts", "refresh"),
+    ("engine", "GTPEngine", "open_forward"),
+    ("engine", "GTPEngine", "close_forward"),
+    ("engine", "GTPEngine", "_end_backward"),
 )
+BASELINE = "gtp_wrap_baseline"
+
+
+def load_baseline(tree: Path) -> types.ModuleType:
+    """The gtp_wrap package of the checkout at `tree`, imported as `gtp_wrap_baseline` (the
+    library's own imports are relative, so its modules are all that copy's)."""
+    init = tree / "gtp_wrap" / "__init__.py"
+    if not init.is_file():
+        raise SystemExit(f"--baseline {tree}: no gtp_wrap/__init__.py there")
+    spec = importlib.util.spec_from_file_location(
+        BASELINE, init, submodule_search_locations=[str(init.parent)]
+    )
+    assert spec is not None and spec.loader is not None
+    lib = importlib.util.module_from_spec(spec)
+    sys.modules[BASELINE] = lib
+    spec.loader.exec_module(lib)
+    return lib
 
 
 class Timers:
-    """Host time and calls of the `TIMED` functions, while `on`."""
+    """Host time and calls of the `TIMED` functions of each package in `libs`, while `on`
+    (a baseline's that it lacks are left out)."""
 
-    def __init__(self) -> None:
+    def __init__(self, libs: list[types.ModuleType]) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self.on = False
-        for owner, name in TIMED:
-            fn = owner.__dict__[name]
-            static = isinstance(fn, staticmethod)
-            timed = self._timed(f"{owner.__name__}.{name}", fn.__func__ if static else fn)
-            setattr(owner, name, staticmethod(timed) if static else timed)
+        for lib in libs:
+            for module, cls, name in TIMED:
+                owner = getattr(importlib.import_module(f"{lib.__name__}.runtime.{module}"), cls)
+                fn = owner.__dict__.get(name)
+                if fn is None and lib.__name__ == BASELINE:
+                    continue
+                static = isinstance(fn, staticmethod)
+                timed = self._timed(f"{cls}.{name}", fn.__func__ if static else fn)
+                setattr(owner, name, staticmethod(timed) if static else timed)
 
     def _timed(self, key: str, fn: Callable) -> Callable:
         clock = time.perf_counter
@@ -90,11 +121,15 @@ def _sync(device: torch.device) -> None:
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     cfg = MODELS[args.model]
-    timers = Timers()
+    base = load_baseline(args.baseline) if args.baseline else None
+    timers = Timers([gtp_wrap] if base is None else [gtp_wrap, base])
     built = {m: _build(m, cfg, device, 1, {}, args.fused_adamw)[:2] for m in args.methods}
+    if base is not None:
+        for m in [m for m in args.methods if m.startswith("gtp")]:
+            built[f"{m}@base"] = _build(m, cfg, device, 1, {}, args.fused_adamw, base)[:2]
     idx = batch_of(cfg, args.batch, args.seq, device)
     x, y = idx[:, :-1], idx[:, 1:]
-    best: dict[str, dict[str, float]] = {m: {} for m in args.methods}
+    best: dict[str, dict[str, float]] = {m: {} for m in built}
     calls: dict[str, dict[str, int]] = {}
     for _ in range(args.rounds):
         for method, (model, optim) in built.items():
@@ -159,6 +194,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--fused-adamw", action="store_true")
+    ap.add_argument("--baseline", type=Path, default=None, help="another commit's checkout")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     args.seq = args.seq or (16 if args.model == "tiny" else 2048)

@@ -132,22 +132,25 @@ def test_benchmark_smoke_on_the_moe(tmp_path: Path) -> None:
 
 def test_step_phases_times_each_phase_and_the_engines_functions(tmp_path: Path) -> None:
     """The phases add up to the step, and the per-block functions run once per block call
-    (the tiny GPT has 12 blocks: one BlockWeights forward and backward each per step)."""
+    (the tiny GPT has 12 blocks: one BlockWeights forward and backward each per step), on
+    this tree and on a baseline tree imported beside it (here this one again)."""
     out = tmp_path / "phases.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/step_phases.py"), "--rounds", "1",
            "--warmup", "2", "--steps", "3", "--methods", "floor", "gtp_blocks", "--fused-adamw",
-           "--out", str(out)]  # fmt: skip
+           "--baseline", str(ROOT), "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    for method in ("floor", "gtp_blocks"):
+    assert list(result["ms"]) == ["floor", "gtp_blocks", "gtp_blocks@base"]
+    for method in result["ms"]:
         ms = result["ms"][method]
         phases = sum(ms[p] for p in ("forward", "backward", "optimizer", "zero_grad"))
         assert 0 < phases <= ms["step"] * 1.5  # medians of parts: near the step's median
     calls = result["calls_per_step"]
     assert calls["floor"] == {}
-    assert calls["gtp_blocks"]["BlockWeights.forward"] == 12
-    assert calls["gtp_blocks"]["BlockWeights.backward"] == 12
-    blocks = result["ms"]["gtp_blocks"]
-    assert 0 < blocks["GradReducer.reduce_grads"] < blocks["BlockWeights.backward"]
+    for method in ("gtp_blocks", "gtp_blocks@base"):
+        assert calls[method]["BlockWeights.forward"] == 12
+        assert calls[method]["BlockWeights.backward"] == 12
+        blocks = result["ms"][method]
+        assert 0 < blocks["GradReducer.reduce_grads"] < blocks["BlockWeights.backward"]
     assert "| BlockWeights.backward |" in proc.stdout
