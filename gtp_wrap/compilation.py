@@ -50,8 +50,9 @@ def gather_per_block(
     each use of a weight going through the engine's interception (about a third less host work
     per step on the reference GPT, `benchmarks/RESULTS.md`). `blocks` is chosen as for
     `compile`. Inside such a block, linear layers take autograd's own backward (the weight
-    gradient in the compute dtype, then rounded to the reduce dtype) and an in-place write to a
-    weight is not refused: it would change the gathered copy only.
+    gradient in the compute dtype, then rounded to the reduce dtype), and an in-place write to a
+    weight, which would change the gathered copy only, is refused once the block returns (see
+    [Note: writes inside a block] in runtime/blocks.py).
     """
     return _run_blocks(model, blocks, lambda cls: cls.forward)
 

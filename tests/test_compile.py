@@ -6,13 +6,14 @@ engine's chain: the same gathers, prefetched, and weights re-gathered in backwar
 
 from __future__ import annotations
 
+import copy
 import functools
 import pathlib
 import re
 
 import pytest
 import torch
-from harness import cached_ranks, caught, run_ranks
+from harness import cached_ranks, caught, local_rows, run_ranks
 from models import TinyGPT, tiny_llama_config
 from transformers import LlamaForCausalLM
 
@@ -212,6 +213,27 @@ def _misuse() -> dict:
     }
 
 
+def _block_alone() -> dict:
+    """A block on gathered weights called on its own, outside any pass of the model: its
+    output and its weights' gradients are the unwrapped block's; a call that raises leaves no
+    pass open (the model's next forward runs)."""
+    torch.manual_seed(0)
+    plain = TinyGPT()
+    model = gtp_wrap.gather_per_block(GTPWrap(copy.deepcopy(plain), POLICY))
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    out = model.blocks[0](x)
+    out.square().sum().backward()
+    want = plain.blocks[0](x)
+    want.square().sum().backward()
+    mine = dict(model.blocks[0].named_parameters())
+    grads = {n: (mine[n].grad, local_rows(mine[n], p.grad))  # both ranks' inputs are x
+             for n, p in plain.blocks[0].named_parameters()}  # fmt: skip
+    raised = caught(lambda: model.blocks[0](torch.randn(2, 5, 7)))
+    after = model(torch.randint(0, 48, (2, 5))).shape
+    return {"out": (out.detach(), want.detach()), "raised": raised, "after": tuple(after),
+            "grads": grads}  # fmt: skip
+
+
 def _cases(rank: int, world: int) -> dict:
     results: dict = {"readme": {"eager": _run_readme(False), "compiled": _run_readme(True)}}
     results |= {
@@ -225,6 +247,7 @@ def _cases(rank: int, world: int) -> dict:
     results["routed"] = _routed_grads(rank)
     results["requested"] = {mode: _requested_grads(mode) for mode in ("eager", "per_block")}
     results["misuse"] = _misuse()
+    results["block_alone"] = _block_alone()
     outer = gtp_wrap.compile(GTPWrap(_Outer(), POLICY))
     results["outside"] = caught(lambda: outer(torch.randn(2, 16)))
     return results
@@ -292,6 +315,18 @@ def test_ranks_using_different_weights_of_a_block_train_exactly() -> None:
             got = routed["grads"][name]
             full = torch.cat([r["routed"]["grads"][name] for r in _ranks()])
             _close(full if got.shape != want.shape else got, want, f"routed {name}")
+
+
+def test_a_block_on_gathered_weights_called_on_its_own_opens_its_pass() -> None:
+    """Outside the model's forward, a block's call gathers its weights in a pass of its own:
+    the unwrapped block's output and gradients; a call that raises closes its pass."""
+    for rank in _ranks():
+        alone = rank["block_alone"]
+        _close(*alone["out"], "block output")
+        for name, (got, want) in alone["grads"].items():
+            _close(got, want, f"block grad {name}")
+        assert alone["raised"].startswith("RuntimeError"), alone["raised"]
+        assert alone["after"] == (2, 5, 48)
 
 
 def test_only_requested_gradients_are_computed() -> None:

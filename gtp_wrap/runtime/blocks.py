@@ -45,19 +45,33 @@ class BlockRuntime(Protocol):
         ...
 
 
-class GatheredBlock:
-    """The forward of one block: gather its weights, swap them in, run its forward (compiled
-    or not), swap the parameters back."""
+class BlockOwner(Protocol):
+    """How a block's call opens a pass when none is open (runtime/owners.py)."""
 
-    __slots__ = ("name", "block", "forward", "members", "slots", "runtime")
+    def call_owned(
+        self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict
+    ) -> Any: ...
+
+
+class GatheredBlock:
+    """The forward of one block: in a pass of its own when called outside one, gather its
+    weights, swap them in, run its forward (compiled or not), swap the parameters back."""
+
+    __slots__ = ("name", "block", "forward", "members", "slots", "runtime", "owner")
 
     def __init__(
-        self, name: str, block: nn.Module, forward: Callable, runtime: BlockRuntime
+        self,
+        name: str,
+        block: nn.Module,
+        forward: Callable,
+        runtime: BlockRuntime,
+        owner: BlockOwner,
     ) -> None:
         self.name = name  # in the wrapped model, for errors
         self.block = block
         self.forward = forward  # the block class's forward (compiled or not): takes the block
         self.runtime = runtime
+        self.owner = owner
         params: list[GTPParameter] = []  # each managed parameter once (tied ones too)
         # Every slot that holds one of them: (the module's parameter dict, name, which).
         self.slots: list[tuple[dict[str, Any], str, int]] = []
@@ -72,6 +86,9 @@ class GatheredBlock:
         self.members = BlockMembers.of(params)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.owner.call_owned(self.block, self._gathered, args, kwargs)
+
+    def _gathered(self, *args: Any, **kwargs: Any) -> Any:
         with self.runtime.gathered(self.members) as weights:
             return self._run(weights, args, kwargs)
 

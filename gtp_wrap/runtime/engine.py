@@ -218,7 +218,8 @@ class GTPEngine:
                     "one of them once, to the blocks alone"
                 )
         self.owners.take_block(block)
-        block.forward = GatheredBlock(self.owners.name(block), block, forward, self.uses)
+        name = self.owners.name(block)
+        block.forward = GatheredBlock(name, block, forward, self.uses, self.owners)
         self._gathered_blocks.append(block)
 
     # ---- the pass lifecycle -------------------------------------------------------------
@@ -250,12 +251,16 @@ class GTPEngine:
 
     def close_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """Close the forward pass `open_forward` opened (its always-called forward hook)."""
+        self.end_forward(_forward_error())
+
+    def end_forward(self, error: BaseException | None) -> None:
+        """Close the forward pass `open_forward` opened; `error`: what its forward raised, if
+        it raised."""
         if not self.passes.stack:  # an earlier pre-hook raised before ours opened the pass
             return
         state = self.passes.stack[-1]
         if state.exit_hooks is not None:
             state.exit_hooks.__exit__(None, None, None)  # type: ignore[attr-defined]
-        error = _forward_error()
         if error is not None:  # the peers waiting for this pass's collectives learn of it
             self.watch.failed(error, f"in {state.describe(self.step)}")
         self._end_pass(failed=error is not None)

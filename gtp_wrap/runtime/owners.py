@@ -7,11 +7,14 @@ an always-called forward hook that open and close a pass around its call when no
 block that runs on its gathered weights (runtime/blocks.py) becomes the owner of everything
 inside it, whose own hooks go (see [Note: blocks on gathered weights]): a module inside such a
 block, called on its own, opens no pass, and a sharded weight it computes with outside passes
-is refused (core/parameter.py), not read as this rank's rows.
+is refused (core/parameter.py), not read as this rank's rows. The block itself carries no hooks
+either: its forward (`GatheredBlock`) opens the pass through `call_owned`, which spares each
+block call torch's hooked module-call path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +23,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .blocks import refuse_tracing
 from .passes import Passes
+
+_graph_task_id = torch._C._current_graph_task_id
 
 
 class PassOpener(Protocol):
@@ -35,9 +40,11 @@ class PassOpener(Protocol):
 
     def close_forward(self, module: nn.Module, args: Any, output: Any) -> None: ...
 
+    def end_forward(self, error: BaseException | None) -> None: ...
+
 
 class Owners:
-    """The hooked owners of one wrapped model."""
+    """The owners of one wrapped model: hooked modules, and blocks that open their own pass."""
 
     def __init__(self, root: nn.Module, owners: list[nn.Module], engine: PassOpener) -> None:
         self._engine = engine
@@ -53,11 +60,11 @@ class Owners:
         return self._names[id(module)]
 
     def take_block(self, block: nn.Module) -> None:
-        """Make `block` the one owner of the weights inside it."""
+        """Make `block` the one owner of the weights inside it: it and everything inside it
+        lose their hooks, and its forward opens its pass through `call_owned`."""
         for module in block.modules():
             for handle in self._hooks.pop(id(module), ()):
                 handle.remove()
-        self._hook(block)
 
     def _hook(self, module: nn.Module) -> None:
         self._hooks[id(module)] = (
@@ -65,13 +72,29 @@ class Owners:
             module.register_forward_hook(self._post, always_call=True),
         )
 
+    def call_owned(self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        """`forward(*args, **kwargs)`, the forward of the owner `module`, in a pass of its own
+        when none is open (what the hooks do for a hooked owner)."""
+        converted = self._pre(module, args, kwargs)
+        if converted is not None:
+            args, kwargs = converted
+        try:
+            out = forward(*args, **kwargs)
+        except BaseException as error:
+            if self._opened.pop():
+                self._engine.end_forward(error)
+            raise
+        if self._opened.pop():
+            self._engine.end_forward(None)
+        return out
+
     def _pre(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
         if torch.compiler.is_compiling():
             refuse_tracing(f"the hooks of '{self.name(module)}' of a wrapped model")
         engine = self._engine
         engine.close_abandoned_backward()
         # Inside backward (a checkpoint recompute) uses are intercepted already.
-        opened = not engine.passes.stack and torch._C._current_graph_task_id() == -1
+        opened = not engine.passes.stack and _graph_task_id() == -1
         self._opened.append(opened)
         if not opened:
             return None

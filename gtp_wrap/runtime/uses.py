@@ -290,12 +290,12 @@ class BlockWeights(torch.autograd.Function):
     @staticmethod
     def forward(ctx, uses: Uses, members: BlockMembers, *params: GTPParameter):  # type: ignore[override]
         ctx.uses, ctx.weights, ctx.dtypes = uses, members.weights, members.dtypes
-        with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads, not uses
-            frozen = [not p.requires_grad for p in params]
         ctx.set_materialize_grads(False)  # unused weights: zeros made only where needed
         out = [uses._weight_of(w) for w in ctx.weights]
         out = [t.view_as(t) for t in out]  # outputs of this node, not the buffers themselves
-        ctx.mark_non_differentiable(*(t for t, f in zip(out, frozen) if f))
+        unfrozen = ctx.needs_input_grad[2:]  # which parameters require grad
+        if not all(unfrozen):
+            ctx.mark_non_differentiable(*(t for t, u in zip(out, unfrozen) if not u))
         return tuple(out)
 
     @staticmethod
