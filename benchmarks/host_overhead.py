@@ -18,7 +18,10 @@ interception per use; the reference is the same nesting without GTP.
 
 Beside the time, each row counts the aten ops a step dispatches (a `TorchDispatchMode`
 counting every op, collectives included) beyond the plain model's, per weight use: the same
-count on every run, where each op costs dispatcher time and, on a GPU, a kernel launch.
+count on every run, where each op costs dispatcher time and, on a GPU, a kernel launch. It also
+counts the Python function calls a step makes beyond the plain model's (`sys.setprofile`), per
+weight use: as deterministic, and what the engine's Python path costs in calls; on the H200
+host the same tree's per-use time moved by 2.7 x between two runs of one call.
 
 `--callgrind` counts instructions instead (valgrind's callgrind, world of 1): the same
 count for the same code on every run, where CPU time on a shared 2-core machine moved by +-30 %
@@ -48,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,6 +107,31 @@ def _ops_per_step(model: nn.Module, x: torch.Tensor, steps: int = 4) -> collecti
     return collections.Counter({k: v // steps for k, v in counter.counts.items()})
 
 
+def _python_calls_per_step(model: nn.Module, x: torch.Tensor, steps: int = 4) -> float:
+    """Python function calls a forward + backward step makes in steady state (the warm-up
+    done): like the op count, the same on every run, where the step's time is not."""
+    for _ in range(5):
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    gc.collect()
+    gc.disable()
+    sys.setprofile(count)
+    try:
+        for _ in range(steps):
+            model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return calls / steps
+
+
 def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> float:
     """The fastest round's main-thread CPU time per forward + backward step (wall time with the
     device synchronized, on a GPU)."""
@@ -145,11 +174,15 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         plain_ops = _ops_per_step(build().to(dtype), x.to(dtype))
         gtp_ops = _ops_per_step(model, x)
         extra = {k: gtp_ops[k] - plain_ops[k] for k in gtp_ops | plain_ops}
+        calls = _python_calls_per_step(model, x) - _python_calls_per_step(
+            build().to(dtype), x.to(dtype)
+        )
         out[name] = {
             "plain_step_us": round(base, 1),
             "gtp_step_us": round(wrapped, 1),
             "per_use_us": round((wrapped - base) / (2 * weights), 2),
             "extra_ops_per_use": round(sum(extra.values()) / (2 * weights), 2),
+            "extra_python_calls_per_use": round(calls / (2 * weights), 2),
             "extra_ops_per_step": dict(
                 sorted(((k, v) for k, v in extra.items() if v), key=lambda kv: -kv[1])
             ),
@@ -256,13 +289,14 @@ def main() -> None:
                 results["world2_gloo"] = json.load(f)
     print(
         f"{'world':<12} {'policy':<6} {'plain us/step':>14} {'GTP us/step':>12} {'us/use':>8}"
-        f" {'extra ops/use':>14}"
+        f" {'extra ops/use':>14} {'py calls/use':>13}"
     )
     for world, by_policy in results.items():
         for policy, r in by_policy.items():
             print(
                 f"{world:<12} {policy:<6} {r['plain_step_us']:>14.1f} {r['gtp_step_us']:>12.1f}"
                 f" {r['per_use_us']:>8.2f} {r['extra_ops_per_use']:>14.2f}"
+                f" {r['extra_python_calls_per_use']:>13.2f}"
             )
     if args.out:
         with open(args.out, "w") as f:

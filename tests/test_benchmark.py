@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from harness import run_ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -154,3 +157,24 @@ def test_step_phases_times_each_phase_and_the_engines_functions(tmp_path: Path) 
         blocks = result["ms"][method]
         assert 0 < blocks["GradReducer.reduce_grads"] < blocks["BlockWeights.backward"]
     assert "| BlockWeights.backward |" in proc.stdout
+
+
+def _python_calls(rank: int, world: int) -> dict[str, list[float]]:
+    ho = _benchmark_module("host_overhead")
+    x = torch.randn(4, 16)
+    calls: dict[str, list[float]] = {}
+    for block in (0, 4):
+        for _ in range(2):
+            model = ho._wrap(ho._model(8, 16, False, block, "cpu"), ho.POLICIES["bf16"], block)
+            calls.setdefault(f"block{block}", []).append(ho._python_calls_per_step(model, x))
+    calls["plain"] = [ho._python_calls_per_step(ho._model(8, 16, False, 0, "cpu"), x)]
+    return calls
+
+
+def test_python_calls_per_step_are_the_same_on_every_run() -> None:
+    """host_overhead.py's Python-call count is deterministic (two fresh models count the same),
+    and blocks on gathered weights make fewer calls than per-use interception."""
+    (calls,) = run_ranks(_python_calls, 1)
+    for key in ("block0", "block4"):
+        assert calls[key][0] == calls[key][1], calls
+    assert calls["plain"][0] < calls["block4"][0] < calls["block0"][0], calls
