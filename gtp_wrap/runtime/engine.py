@@ -174,6 +174,11 @@ class GTPEngine:
         self.intercepting = self.passes.intercepting
         self.use = self.uses.use
         self.full_weight = self.uses.full_weight
+        self.gather = self.gatherer.gather
+        self.keep_recomputed = self.gatherer.keep_recomputed
+        self.take_recomputed = self.gatherer.take_recomputed
+        self.reduce_grad = self.reducer.reduce_grad
+        self.reduce_grads = self.reducer.reduce_grads
         # [Note: buffers between steps] Between eager steps the model's gather and staging
         # buffers go back to the allocator. Kept, they would sit under the optimizer step,
         # where AdamW's temporaries put the memory peak at small batch (0.2 GiB at 1.36B: an
@@ -314,23 +319,6 @@ class GTPEngine:
             self.reducer.abandon()
             self.replicated.abandon()
             self._end_pass(failed=True)
-
-    # ---- the runtime interface (uses.GradRuntime) ---------------------------------------
-
-    def gather(self, w: ShardedWeight, packed: bool = False) -> torch.Tensor:
-        return self.gatherer.gather(w, packed)
-
-    def keep_recomputed(self, w: ShardedWeight, full: torch.Tensor) -> None:
-        self.gatherer.keep_recomputed(w, full)
-
-    def take_recomputed(self, w: ShardedWeight) -> torch.Tensor | None:
-        return self.gatherer.take_recomputed(w)
-
-    def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor, owned: bool = False) -> None:
-        self.reducer.reduce_grad(w, grad, owned)
-
-    def reduce_grads(self, grads: list[tuple[ShardedWeight, torch.Tensor]]) -> None:
-        self.reducer.reduce_grads(grads)
 
     # ---- for graphs/ ----------------------------------------------------------------------
 
