@@ -20,8 +20,10 @@ Beside the time, each row counts the aten ops a step dispatches (a `TorchDispatc
 counting every op, collectives included) beyond the plain model's, per weight use: the same
 count on every run, where each op costs dispatcher time and, on a GPU, a kernel launch. It also
 counts the Python function calls a step makes beyond the plain model's (`sys.setprofile`), per
-weight use: as deterministic, and what the engine's Python path costs in calls; on the H200
-host the same tree's per-use time moved by 2.7 x between two runs of one call.
+weight use, on CPU (where backward runs on the calling thread): the same on every run at a
+world of 1 (at 2 gloo ranks it moves by a few percent: how often a wait polls), and what the
+engine's Python path costs in calls; on the H200 host the same tree's per-use time moved by
+2.7 x between two runs of one call.
 
 `--callgrind` counts instructions instead (valgrind's callgrind, world of 1): the same
 count for the same code on every run, where CPU time on a shared 2-core machine moved by +-30 %
@@ -174,15 +176,22 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         plain_ops = _ops_per_step(build().to(dtype), x.to(dtype))
         gtp_ops = _ops_per_step(model, x)
         extra = {k: gtp_ops[k] - plain_ops[k] for k in gtp_ops | plain_ops}
-        calls = _python_calls_per_step(model, x) - _python_calls_per_step(
-            build().to(dtype), x.to(dtype)
+        # On a GPU, backward's Python runs on autograd's own threads, which the profile
+        # function does not see: counted on CPU only.
+        calls = (
+            _python_calls_per_step(model, x)
+            - _python_calls_per_step(build().to(dtype), x.to(dtype))
+            if args.device == "cpu"
+            else None
         )
         out[name] = {
             "plain_step_us": round(base, 1),
             "gtp_step_us": round(wrapped, 1),
             "per_use_us": round((wrapped - base) / (2 * weights), 2),
             "extra_ops_per_use": round(sum(extra.values()) / (2 * weights), 2),
-            "extra_python_calls_per_use": round(calls / (2 * weights), 2),
+            "extra_python_calls_per_use": None
+            if calls is None
+            else round(calls / (2 * weights), 2),
             "extra_ops_per_step": dict(
                 sorted(((k, v) for k, v in extra.items() if v), key=lambda kv: -kv[1])
             ),
@@ -296,7 +305,7 @@ def main() -> None:
             print(
                 f"{world:<12} {policy:<6} {r['plain_step_us']:>14.1f} {r['gtp_step_us']:>12.1f}"
                 f" {r['per_use_us']:>8.2f} {r['extra_ops_per_use']:>14.2f}"
-                f" {r['extra_python_calls_per_use']:>13.2f}"
+                f" {r['extra_python_calls_per_use'] or '-':>13}"
             )
     if args.out:
         with open(args.out, "w") as f:

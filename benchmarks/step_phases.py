@@ -15,8 +15,10 @@ figure is the smallest, over the rounds, of a round's median per step.
 
 With `--baseline TREE` (a checkout of another commit, e.g. `git worktree add /tmp/base HEAD~3`)
 each gtp method also runs on that tree's gtp_wrap, imported beside this one as
-`gtp_wrap_baseline`, as `<method>@base`: both trees' steps interleave in one process on one
-host, where two runs one after the other moved the floor by 15-20 % on the H200 host.
+`gtp_wrap_baseline`, as `<method>@base`: both trees' methods take turns, round by round, in
+one process on one host, where two runs one after the other moved the floor by 15-20 % on the
+H200 host. Both packages' global optimizer-step hooks then run on every step, so figures with
+`--baseline` compare with each other, not with runs without it.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class Timers:
                 fn = owner.__dict__.get(name)
                 if fn is None and lib.__name__ == BASELINE:
                     continue
+                if fn is None:
+                    raise SystemExit(f"step_phases: TIMED names {cls}.{name}, which is gone")
                 static = isinstance(fn, staticmethod)
                 timed = self._timed(f"{cls}.{name}", fn.__func__ if static else fn)
                 setattr(owner, name, staticmethod(timed) if static else timed)
@@ -162,8 +166,11 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             for key, values in per.items():
                 median = statistics.median(values)
                 best[method][key] = min(best[method].get(key, median), median)
+    packages = {m: type(model).__module__ if m.startswith("floor") else
+                type(model._gtp_engine).__module__.split(".")[0]
+                for m, (model, _) in built.items()}  # fmt: skip
     return {"ms": {m: {k: 1e3 * v for k, v in b.items()} for m, b in best.items()},
-            "calls_per_step": calls}  # fmt: skip
+            "calls_per_step": calls, "packages": packages}  # fmt: skip
 
 
 def table(result: dict[str, Any]) -> str:

@@ -145,6 +145,9 @@ def test_step_phases_times_each_phase_and_the_engines_functions(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert list(result["ms"]) == ["floor", "gtp_blocks", "gtp_blocks@base"]
+    # Each gtp method ran on its own tree's engine.
+    assert result["packages"]["gtp_blocks"] == "gtp_wrap"
+    assert result["packages"]["gtp_blocks@base"] == "gtp_wrap_baseline"
     for method in result["ms"]:
         ms = result["ms"][method]
         phases = sum(ms[p] for p in ("forward", "backward", "optimizer", "zero_grad"))

@@ -10,6 +10,7 @@ import copy
 import functools
 import pathlib
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from transformers import LlamaForCausalLM
 import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.app.model import GPT, GPTConfig
+from gtp_wrap.runtime.engine import engine_of
 
 STEPS = 3
 POLICY = {"min_shard_numel": 0, "collective_timeout_s": 60}
@@ -228,10 +230,27 @@ def _block_alone() -> dict:
     mine = dict(model.blocks[0].named_parameters())
     grads = {n: (mine[n].grad, local_rows(mine[n], p.grad))  # both ranks' inputs are x
              for n, p in plain.blocks[0].named_parameters()}  # fmt: skip
+    engine = engine_of(model)
+
+    def left_open() -> tuple[int, int]:  # passes and owner calls still open
+        return len(engine.passes.stack), len(engine.owners._opened)
+
     raised = caught(lambda: model.blocks[0](torch.randn(2, 5, 7)))
+    after_raise = left_open()
+    opened = engine.open_forward
+
+    def open_then_fail(*args: Any, **kwargs: Any) -> Any:  # as an input cast running out of memory
+        opened(*args, **kwargs)
+        raise RuntimeError("open failed")
+
+    engine.open_forward = open_then_fail  # type: ignore[method-assign]
+    failed_open = caught(lambda: model.blocks[0](x))
+    del engine.open_forward
+    after_failed_open = left_open()
     after = model(torch.randint(0, 48, (2, 5))).shape
     return {"out": (out.detach(), want.detach()), "raised": raised, "after": tuple(after),
-            "grads": grads}  # fmt: skip
+            "grads": grads, "failed_open": failed_open,
+            "left_open": [after_raise, after_failed_open, left_open()]}  # fmt: skip
 
 
 def _cases(rank: int, world: int) -> dict:
@@ -319,13 +338,16 @@ def test_ranks_using_different_weights_of_a_block_train_exactly() -> None:
 
 def test_a_block_on_gathered_weights_called_on_its_own_opens_its_pass() -> None:
     """Outside the model's forward, a block's call gathers its weights in a pass of its own:
-    the unwrapped block's output and gradients; a call that raises closes its pass."""
+    the unwrapped block's output and gradients; a call that raises closes its pass, also where
+    opening it raised."""
     for rank in _ranks():
         alone = rank["block_alone"]
         _close(*alone["out"], "block output")
         for name, (got, want) in alone["grads"].items():
             _close(got, want, f"block grad {name}")
         assert alone["raised"].startswith("RuntimeError"), alone["raised"]
+        assert alone["failed_open"] == "RuntimeError: open failed"
+        assert alone["left_open"] == [(0, 0)] * 3  # after each failure, and after the model
         assert alone["after"] == (2, 5, 48)
 
 

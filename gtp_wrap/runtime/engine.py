@@ -7,7 +7,8 @@ weight gradients, a group per collective, finalized one group later into `.grad`
 -> end of backward: last finalize, replicated all-reduce (replicated.py), chain record
 (passes.py), users' gradient hooks.
 
-The engine opens and closes the passes (module hooks and autograd's end-of-backward callback)
+The engine opens and closes the passes (the root's and owners' module hooks, blocks' forwards
+through runtime/owners.py, and autograd's end-of-backward callback)
 and answers the narrow runtime interface its parameters and autograd functions call:
 `intercepting`, `use` (core/weight.Runtime), `ensure_backward`, `gather`, `full_weight`,
 `reduce_grad` (uses.GradRuntime). graphs/ drives it through the public methods below.

@@ -28,7 +28,7 @@ _graph_task_id = torch._C._current_graph_task_id
 
 
 class PassOpener(Protocol):
-    """What an owner's hooks ask of the engine."""
+    """What an owner's call asks of the engine."""
 
     passes: Passes
 
@@ -75,10 +75,10 @@ class Owners:
     def call_owned(self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
         """`forward(*args, **kwargs)`, the forward of the owner `module`, in a pass of its own
         when none is open (what the hooks do for a hooked owner)."""
-        converted = self._pre(module, args, kwargs)
-        if converted is not None:
-            args, kwargs = converted
         try:
+            converted = self._pre(module, args, kwargs)  # pushes its flag even if it raises
+            if converted is not None:
+                args, kwargs = converted
             out = forward(*args, **kwargs)
         except BaseException as error:
             if self._opened.pop():
@@ -89,15 +89,17 @@ class Owners:
         return out
 
     def _pre(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
+        # One flag per call, pushed first: the always-called hook (or `call_owned`) pops it
+        # whatever raises below, and a pass this call opened is closed by it.
+        self._opened.append(False)
         if torch.compiler.is_compiling():
-            refuse_tracing(f"the hooks of '{self.name(module)}' of a wrapped model")
+            refuse_tracing(f"the pass that '{self.name(module)}' of a wrapped model opens")
         engine = self._engine
         engine.close_abandoned_backward()
         # Inside backward (a checkpoint recompute) uses are intercepted already.
-        opened = not engine.passes.stack and _graph_task_id() == -1
-        self._opened.append(opened)
-        if not opened:
+        if engine.passes.stack or _graph_task_id() != -1:
             return None
+        self._opened[-1] = True
         return engine.open_forward(module, args, kwargs, opener=self.name(module))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
