@@ -48,7 +48,7 @@ class Owners:
 
     def __init__(self, root: nn.Module, owners: list[nn.Module], engine: PassOpener) -> None:
         self._engine = engine
-        self._opened: list[bool] = []  # per owner call in progress: whether it opened a pass
+        self._opened: list[bool] = []  # per hooked call in progress: whether it opened a pass
         self._names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
         self._hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
         for module in owners:
@@ -75,32 +75,35 @@ class Owners:
     def call_owned(self, module: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
         """`forward(*args, **kwargs)`, the forward of the owner `module`, in a pass of its own
         when none is open (what the hooks do for a hooked owner)."""
-        try:
-            converted = self._pre(module, args, kwargs)  # pushes its flag even if it raises
+        if not self._opens(module):
+            return forward(*args, **kwargs)
+        engine = self._engine
+        try:  # the pass is closed whatever raises, its own opening too (an input cast's OOM)
+            converted = engine.open_forward(module, args, kwargs, opener=self.name(module))
             if converted is not None:
                 args, kwargs = converted
             out = forward(*args, **kwargs)
         except BaseException as error:
-            if self._opened.pop():
-                self._engine.end_forward(error)
+            engine.end_forward(error)
             raise
-        if self._opened.pop():
-            self._engine.end_forward(None)
+        engine.end_forward(None)
         return out
 
-    def _pre(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
-        # One flag per call, pushed first: the always-called hook (or `call_owned`) pops it
-        # whatever raises below, and a pass this call opened is closed by it.
-        self._opened.append(False)
+    def _opens(self, module: nn.Module) -> bool:
+        """Whether a call of `module` opens a pass now: none is open, and autograd is not
+        running (inside backward, a checkpoint's recompute, uses are intercepted already)."""
         if torch.compiler.is_compiling():
             refuse_tracing(f"the pass that '{self.name(module)}' of a wrapped model opens")
         engine = self._engine
         engine.close_abandoned_backward()
-        # Inside backward (a checkpoint recompute) uses are intercepted already.
-        if engine.passes.stack or _graph_task_id() != -1:
+        return not engine.passes.stack and _graph_task_id() == -1
+
+    def _pre(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
+        opened = self._opens(module)
+        self._opened.append(opened)
+        if not opened:
             return None
-        self._opened[-1] = True
-        return engine.open_forward(module, args, kwargs, opener=self.name(module))
+        return self._engine.open_forward(module, args, kwargs, opener=self.name(module))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._opened and self._opened.pop():
