@@ -38,6 +38,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ def _adamw(params: Any, fused: bool, capturable: bool = False) -> torch.optim.Ad
 
 
 def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict,
-           fused_adamw: bool = False, lib: Any = gtp_wrap):  # fmt: skip
+           fused_adamw: bool = False, lib: types.ModuleType = gtp_wrap):  # fmt: skip
     """(model, optimizer, autocast dtype or None); the floor's optimizer steps a 1/N shard.
     `lib`: the gtp_wrap package the gtp methods wrap with (step_phases.py's --baseline loads
     another commit's under another name)."""

@@ -96,25 +96,27 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ops_per_step(model: nn.Module, x: torch.Tensor, steps: int = 4) -> collections.Counter[str]:
-    """The aten ops of one forward + backward step in steady state (after the warm-up)."""
-    for _ in range(5):
+def _steps(model: nn.Module, x: torch.Tensor, n: int) -> None:
+    """`n` forward + backward steps, gradients cleared after each: what every figure times or
+    counts, after 5 of them as warm-up (the first passes record chains and make buffers)."""
+    for _ in range(n):
         model(x).sum().backward()
         model.zero_grad(set_to_none=True)
+
+
+def _ops_per_step(model: nn.Module, x: torch.Tensor, steps: int = 4) -> collections.Counter[str]:
+    """The aten ops of one forward + backward step in steady state (after the warm-up)."""
+    _steps(model, x, 5)
     counter = _OpCounter()
     with counter:
-        for _ in range(steps):
-            model(x).sum().backward()
-            model.zero_grad(set_to_none=True)
+        _steps(model, x, steps)
     return collections.Counter({k: v // steps for k, v in counter.counts.items()})
 
 
 def _python_calls_per_step(model: nn.Module, x: torch.Tensor, steps: int = 4) -> float:
     """Python function calls a forward + backward step makes in steady state (the warm-up
     done): like the op count, the same on every run, where the step's time is not."""
-    for _ in range(5):
-        model(x).sum().backward()
-        model.zero_grad(set_to_none=True)
+    _steps(model, x, 5)
     calls = 0
 
     def count(frame: Any, event: str, arg: Any) -> None:
@@ -125,9 +127,7 @@ def _python_calls_per_step(model: nn.Module, x: torch.Tensor, steps: int = 4) ->
     gc.disable()
     sys.setprofile(count)
     try:
-        for _ in range(steps):
-            model(x).sum().backward()
-            model.zero_grad(set_to_none=True)
+        _steps(model, x, steps)
     finally:
         sys.setprofile(None)
         gc.enable()
@@ -139,17 +139,13 @@ def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> 
     device synchronized, on a GPU)."""
     cuda = x.is_cuda
     clock = time.perf_counter if cuda else time.thread_time
-    for _ in range(5):  # the first passes record chains and make buffers
-        model(x).sum().backward()
-        model.zero_grad(set_to_none=True)
+    _steps(model, x, 5)
     per_round = []
     for _ in range(rounds):
         gc.collect()
         gc.disable()  # a collection landing in one round would be most of its noise
         start = clock()
-        for _ in range(steps):
-            model(x).sum().backward()
-            model.zero_grad(set_to_none=True)
+        _steps(model, x, steps)
         if cuda:
             torch.cuda.synchronize()
         per_round.append((clock() - start) / steps * 1e6)
@@ -212,9 +208,7 @@ def _run_steps(args: argparse.Namespace) -> None:
     # still differed by 3 %.
     gc.collect()
     gc.disable()
-    for _ in range(5 + args.run_steps):
-        model(x).sum().backward()
-        model.zero_grad(set_to_none=True)
+    _steps(model, x, 5 + args.run_steps)
 
 
 def _instructions(policy: str, steps: int, args: argparse.Namespace) -> int:

@@ -166,9 +166,9 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             for key, values in per.items():
                 median = statistics.median(values)
                 best[method][key] = min(best[method].get(key, median), median)
-    packages = {m: type(model).__module__ if m.startswith("floor") else
-                type(model._gtp_engine).__module__.split(".")[0]
-                for m, (model, _) in built.items()}  # fmt: skip
+    # The package whose engine each gtp method ran on.
+    packages = {m: type(model._gtp_engine).__module__.split(".")[0]
+                for m, (model, _) in built.items() if m.startswith("gtp")}  # fmt: skip
     return {"ms": {m: {k: 1e3 * v for k, v in b.items()} for m, b in best.items()},
             "calls_per_step": calls, "packages": packages}  # fmt: skip
 

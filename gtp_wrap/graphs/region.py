@@ -97,11 +97,12 @@ class _Region:
         """The region's forward as one pass of its scope; returns its outputs flattened."""
         converted = self.engine.open_forward(self.module, tuple(self.static_in), {})
         args = converted[0] if converted is not None else self.static_in
-        out = None
         try:
             out = self.module(*args)
-        finally:
-            self.engine.close_forward(self.module, args, out)
+        except BaseException as error:  # a failed capture is closed as failed, not recorded
+            self.engine.end_forward(error)
+            raise
+        self.engine.end_forward(None)
         leaves, self._spec = tree_flatten(out)
         if not all(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
             raise GraphCaptureError(
