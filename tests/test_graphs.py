@@ -27,7 +27,10 @@ from harness import cached_ranks, run_ranks
 
 import gtp_wrap
 from gtp_wrap import GraphCaptureError, GTPWrap
+from gtp_wrap.api import engine_of
 from gtp_wrap.app.model import GPT
+from gtp_wrap.core.weight import ShardedWeight
+from gtp_wrap.runtime.chain import PassKind
 
 # Two ranks where two GPUs exist; on one GPU the same bodies run as a world of one (no
 # collectives, but the same capture, replay and host bookkeeping).
@@ -166,3 +169,129 @@ def test_region_weight_hooks_run_once_per_step() -> None:
     capture, and not skipped for the weights a replay gives gradients."""
     for calls in run_ranks(_region_hooks, GPUS, timeout=120, backend="nccl"):
         assert calls == {"region": [True] * 3, "eager": [True] * 3}, calls
+
+
+def _failed_capture(rank: int, world: int) -> dict:
+    """A region whose forward raises in its capture (the call after its warm-ups), then eager
+    training of the same model, against a model that never tried."""
+    device = torch.device("cuda", rank)
+    out: dict = {}
+    try:
+        model, opt = fresh(device, capturable=False)
+        block = model.blocks[-1]
+        dtype = torch.bfloat16
+        x = torch.zeros(2, 16, CFG.d, device=device, dtype=dtype, requires_grad=True)
+        cos, sin = (c[:16].to(dtype) for c in (model.cos, model.sin))
+        calls = [0]
+        forward = block.forward
+
+        def failing(*args: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 4:  # warmup=3 runs first: this is the capture's call
+                raise RuntimeError("the block failed while captured")
+            return forward(*args)
+
+        block.forward = failing  # type: ignore[method-assign]
+        try:
+            gtp_wrap.graph_region(model, block, (x, cos, sin), warmup=3)
+        except RuntimeError as error:
+            out["raised"] = str(error)
+        del block.forward  # the class's forward again
+        engine = engine_of(model)
+        out["open_passes"] = len(engine.passes.stack)
+        # The forward chain the warm-ups recorded for the region's scope (only weights
+        # gathered over several ranks are recorded): a failed pass must not replace it.
+        out["region_chain"] = [
+            list(chain.order)
+            for (kind, scope, _), chain in engine.passes.chains.items()
+            if scope is not None and kind is PassKind.FORWARD
+        ]
+        ref, ref_opt = fresh(device, capturable=False)
+        for name, (m, o) in {"after": (model, opt), "reference": (ref, ref_opt)}.items():
+            losses = []
+            for i in range(3):
+                idx, y = batch_of(rank, i, device)
+                loss = F.cross_entropy(m(idx).float().flatten(0, 1), y.flatten())
+                loss.backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            out[name] = {"losses": losses, "state": gtp_wrap.full_state_dict(m)}
+        out["block_weights"] = sorted(
+            p.gtp_weight.index
+            for p in block.parameters()
+            if isinstance(getattr(p, "gtp_weight", None), ShardedWeight)
+        )
+    except Exception:
+        out["error"] = traceback.format_exc()
+    return out
+
+
+@gpu
+def test_a_failed_region_capture_leaves_the_model_training_eagerly() -> None:
+    """The capture's exception reaches the caller, no pass stays open, the region's chain is
+    the warm-ups' (its gathered weights, not the failed pass's empty record), and the model
+    then trains as one that never tried."""
+    for rank, got in enumerate(run_ranks(_failed_capture, GPUS, timeout=100, backend="nccl")):
+        assert "error" not in got, f"rank {rank}:\n{got.get('error')}"
+        assert got["raised"] == "the block failed while captured"
+        assert got["open_passes"] == 0
+        if GPUS > 1:  # a world of one gathers nothing, so records no chains
+            assert [sorted(c) for c in got["region_chain"]] == [got["block_weights"]]
+        assert got["after"]["losses"] == got["reference"]["losses"]
+        for k, v in got["reference"]["state"].items():
+            assert torch.equal(got["after"]["state"][k], v), k
+
+
+def _region_on_gathered_block(rank: int, world: int) -> dict:
+    """A graphed region over a block on gathered weights: run eagerly when called on its own,
+    replayed in the model's steps; against the same model with no region."""
+    device = torch.device("cuda", rank)
+    out: dict = {}
+    try:
+        dtype = torch.bfloat16
+        results = {}
+        for name in ("blocks", "region"):
+            model, opt = fresh(device, capturable=False)
+            cos, sin = (c[:16].to(dtype) for c in (model.cos, model.sin))
+            gtp_wrap.gather_per_block(model)
+            if name == "region":
+                x0 = torch.zeros(2, 16, CFG.d, device=device, dtype=dtype, requires_grad=True)
+                gtp_wrap.graph_region(model, model.blocks[-1], (x0, cos, sin))
+            g = torch.Generator().manual_seed(7 + rank)
+            x = torch.randn(2, 16, CFG.d, generator=g).to(device, dtype).requires_grad_()
+            alone = model.blocks[-1](x, cos, sin)  # outside the model's forward: eager
+            alone.float().square().sum().backward()
+            results[name] = {"alone": alone.detach().float().cpu(), "x_grad": x.grad.cpu()}
+            opt.zero_grad(set_to_none=True)
+            losses = []
+            for i in range(3):
+                idx, y = batch_of(rank, i, device)
+                loss = F.cross_entropy(model(idx).float().flatten(0, 1), y.flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            results[name]["losses"] = losses
+            if name == "region":  # the region's replay marks the model pass it ran in
+                results[name]["replayed"] = model.blocks[-1].forward.func._replayed_in is not None
+        out.update(results)
+    except Exception:
+        out["error"] = traceback.format_exc()
+    return out
+
+
+@gpu
+def test_a_region_over_a_block_on_gathered_weights() -> None:
+    """Called on its own, outside the model's forward, the region runs its block eagerly (the
+    block opens its own pass) and gives what the block gives without a region; in training it
+    replays, and trains as the eager blocks do, bit for bit."""
+    for rank, got in enumerate(
+        run_ranks(_region_on_gathered_block, GPUS, timeout=100, backend="nccl")
+    ):
+        assert "error" not in got, f"rank {rank}:\n{got.get('error')}"
+        blocks, region = got["blocks"], got["region"]
+        assert torch.equal(region["alone"], blocks["alone"])
+        assert torch.equal(region["x_grad"], blocks["x_grad"])
+        assert region["replayed"]
+        assert region["losses"] == blocks["losses"]
