@@ -21,8 +21,10 @@ length and seed, with AdamW (foreach, or fused with --fused-adamw):
   (gtp_wrap.gather_per_block) instead of each use intercepted;
 - gtp_graph: gtp with the whole step (forward, backward, AdamW(capturable=True)) captured in a
   CUDA graph by gtp_wrap.graph_step after the warm-up steps.
-Each reports the median step time over the timed steps after warm-up, tokens/s per GPU, MFU
-and peak memory; the table adds GTP/floor, GTP/gfloor (the graphed floor) and GTP/FSDP2.
+Each reports the median step time over the timed steps after warm-up, tokens/s per GPU, MFU,
+peak memory, and how fast the host launched work at the time (`host_probe_ms`, see
+host_probe.py: `gtp-plan validate` scales a run's host time by it). The table adds GTP/floor,
+GTP/gfloor (the graphed floor) and GTP/FSDP2.
 Results go to JSON and a PNG chart.
 """
 
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from host_probe import HostProbe
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -212,7 +215,10 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, steps: int,
-            device: torch.device, overrides: dict, fused_adamw: bool = False) -> dict:  # fmt: skip
+            device: torch.device, overrides: dict, fused_adamw: bool = False,
+            probe: HostProbe | None = None) -> dict:  # fmt: skip
+    """One method's median step; with `probe`, the host's speed beside it (`host_probe_ms`:
+    the probe's mean just before and just after the timed steps, see host_probe.py)."""
     world = dist.get_world_size()
     gc.collect()  # engines and FSDP states hold reference cycles: free the previous method
     baseline = 0
@@ -224,7 +230,10 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
         torch.cuda.reset_peak_memory_stats(device)
     step = method_step(method, model, optim, autocast, batch_of(cfg, batch, seq, device), warmup)
     times = []
+    probed = []
     for i in range(warmup + steps):
+        if i == warmup and probe is not None:
+            probed.append(probe())
         _sync(device)
         began = time.perf_counter()
         step()
@@ -233,6 +242,8 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
             times.append(time.perf_counter() - began)
         elif i == warmup - 1 and method.startswith("gtp"):
             gtp_wrap.reset_stats(model)  # count the timed (steady-state) steps only
+    if probe is not None:
+        probed.append(probe())
     median = statistics.median(times)
     tokens = batch * seq
     # An untied input embedding is a lookup, not a GEMM: its parameters do no FLOPs; of a
@@ -251,6 +262,8 @@ def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, step
         if device.type == "cuda"
         else None,
     }
+    if probed:
+        out["host_probe_ms"] = statistics.mean(probed)
     if method.startswith("gtp"):
         s = gtp_wrap.stats(model)
         if out["peak_mem_gib"] is not None:  # symmetric memory the allocator does not count
@@ -265,13 +278,14 @@ def run(device: torch.device, args: argparse.Namespace) -> list[dict]:
     round. Odd rounds run the methods in reverse order: what ran before a method in the same
     process moves its figures (host speed, allocator state)."""
     best: dict[tuple[str, int, str], dict] = {}
+    probe = HostProbe(device)
     for model_name, batches in args.plan:
         cfg = MODELS[model_name]
         for batch in batches:
             for round_ in range(args.rounds):
                 for method in args.methods[:: -1 if round_ % 2 else 1]:
                     r = measure(method, cfg, batch, args.seq, args.warmup, args.steps, device,
-                                args.gtp_policy, args.fused_adamw)  # fmt: skip
+                                args.gtp_policy, args.fused_adamw, probe)  # fmt: skip
                     r |= {"model": model_name, "batch": batch, "seq": args.seq}
                     key = (model_name, batch, method)
                     if key not in best or r["step_ms"] < best[key]["step_ms"]:

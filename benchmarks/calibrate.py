@@ -464,7 +464,9 @@ def _step_rank(device: torch.device, job: StepJob) -> None:
     rows = []
     if device.type == "cuda":
         import bench_step  # benchmarks/, beside this script
+        from host_probe import HostProbe
 
+        probe = HostProbe(device)
         for batch in job.batches:
             for method in ("floor", "floor_graph", "gtp", "gtp_graph"):
                 r = bench_step.measure(
@@ -477,8 +479,10 @@ def _step_rank(device: torch.device, job: StepJob) -> None:
                     device,
                     {},
                     fused_adamw=True,
+                    probe=probe,
                 )
-                rows.append({"batch": batch, "method": method, "seconds": r["step_ms"] / 1e3})
+                rows.append({"batch": batch, "method": method, "seconds": r["step_ms"] / 1e3,
+                             "host_probe_ms": r["host_probe_ms"]})  # fmt: skip
     else:
         torch.manual_seed(0)
         net = GPT(gpt_config(job.model))
@@ -603,6 +607,10 @@ def main(argv: list[str] | None = None) -> None:
     print("calibrate: host time per use", flush=True)
     local = measure_use_us(device, {} if not cuda else {"param_dtype": "bfloat16"})
     h["use_us_local"] = src(local, f"{here}: 16 Linear(64, 64) wrapped or not, world 1")
+    if cuda:  # the host these host costs were measured on, for runs elsewhere to scale by
+        from host_probe import HostProbe
+
+        raw["host_probe_ms"] = src(HostProbe(device)(), f"{here}: benchmarks/host_probe.py")
     h["step_us"] = src(0.0 if not cuda else 1000, "not measured: the loss and optimizer launch")
     h["graph_step_us"] = src(50, "estimate: one CUDA graph replay launch")
     h["fsdp2_block_us"] = src(2000, "../shared/GPU.md: FSDP2 adds ~2 ms per module group")
@@ -730,7 +738,7 @@ def runs_of(
                 "mesh": mesh,
                 "method": r["method"],
                 "policy": gather,
-                **({"probe_s": r["probe_s"]} if "probe_s" in r else {}),
+                **{k: r[k] for k in ("probe_s", "host_probe_ms") if k in r},
                 "measured_ms": round(r["seconds"] * 1e3, 3),
                 "source": here,
                 "calibration": False,

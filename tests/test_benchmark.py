@@ -29,6 +29,7 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     methods = ["floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm"]
     assert [r["method"] for r in rows] == methods
     assert all(r["step_ms"] > 0 for r in rows)
+    assert all(r["host_probe_ms"] > 0 for r in rows)  # the host's speed beside each method
     assert all(r["blocking_by_pass"] == {"forward": 2, "backward": 2} for r in rows[3:])
     assert (tmp_path / "bench.png").stat().st_size > 5_000
     assert "GTP/FSDP2" in proc.stdout

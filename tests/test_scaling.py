@@ -16,10 +16,10 @@ from gtp_wrap.scaling.cli import main
 from gtp_wrap.scaling.cluster import ClusterError
 from gtp_wrap.scaling.collectives import collective_s
 from gtp_wrap.scaling.mesh import Group, MeshError
-from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig
+from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig, model_by_name
 from gtp_wrap.scaling.precision import PrecisionError
 from gtp_wrap.scaling.predict import PlanError, cut_groups, uses
-from gtp_wrap.scaling.validate import TARGET, check
+from gtp_wrap.scaling.validate import TARGET, check, predicted_ms
 
 H200 = load_cluster("h200")
 
@@ -40,6 +40,26 @@ def test_held_out_graphed_h200_steps_within_target() -> None:
     assert len(steady) >= 20
     for c in steady:
         assert abs(c.error) <= TARGET, f"{c.label()}: {c.error:+.1%}"
+
+
+def test_a_runs_host_probe_scales_its_host_time_only() -> None:
+    """A run whose host probe read twice the calibration's: the host-bound eager batch-1 floor
+    is predicted twice as long where its host sets the pace; a graphed step (no host work per
+    use) and a run without a probe, or against a calibration without one, are as before."""
+    cluster = dataclasses.replace(H200, host_probe_ms=2.0)
+    run = {"model": "gpt_125m", "batch": 1, "seq": 2048, "mesh": "", "method": "floor"}
+    plan = Plan(model_by_name("gpt_125m"), cluster, Mesh(), 1, 2048)
+    pred = predict(plan, "floor")
+    same = predicted_ms(cluster, dict(run, host_probe_ms=2.0))
+    slow = predicted_ms(cluster, dict(run, host_probe_ms=4.0))
+    assert same == pytest.approx(pred.step * 1e3)
+    assert slow == pytest.approx(2 * same, rel=0.05)
+    assert predicted_ms(cluster, run) == same  # no probe in the run
+    assert predicted_ms(H200, dict(run, host_probe_ms=4.0)) == predicted_ms(H200, run)
+    graphed = dict(run, method="floor_graph")
+    assert predicted_ms(cluster, dict(graphed, host_probe_ms=4.0)) == pytest.approx(
+        predicted_ms(cluster, graphed), rel=0.01
+    )
 
 
 # ---- the chain's overlap, by hand ------------------------------------------------------------

@@ -78,9 +78,12 @@ def fsdp2(plan: Plan) -> Prediction:
             inline = sum(u.inline_s for u in g)  # experts' all-to-alls (FSDP2 with EP)
             stages.append(Stage(gather, compute, host, reduce, inline))
         passes.append(stages)
-    share = plan.share
+    share, host_share = plan.share, plan.host_share
     passes = [
-        [dataclasses.replace(s, compute_s=s.compute_s * share, host_s=s.host_s * share) for s in p]
+        [
+            dataclasses.replace(s, compute_s=s.compute_s * share, host_s=s.host_s * host_share)
+            for s in p
+        ]
         for p in passes
     ]
     comm = mesh.world > 1
@@ -121,7 +124,7 @@ def tp(plan: Plan) -> Prediction:
             if backward:
                 grad = u.numel * prec.reduce_bytes
                 reduce = collective_s(cl, "all_reduce", grad, replicas)
-            host = 0.0 if plan.graphed else u.host_s * share
+            host = 0.0 if plan.graphed else u.host_s * plan.host_share
             stages.append(Stage(0.0, u.compute_s * share, host, reduce, inline))
         passes.append(stages)
     comm = replicas.size > 1

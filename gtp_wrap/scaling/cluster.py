@@ -127,6 +127,8 @@ class Cluster:
     runs: tuple[dict[str, Any], ...] = ()
     sources: tuple[tuple[str, str], ...] = ()
     probe_s: float = 0.0  # calibrate.py's GEMM loop, alone, when it calibrated (0: none)
+    # benchmarks/host_probe.py's workload on the host its host costs were measured on (0: none)
+    host_probe_ms: float = 0.0
 
     def link(self, spans_nodes: bool) -> Link:
         return self.inter if spans_nodes else self.intra
@@ -202,6 +204,7 @@ def cluster_from_dict(raw: dict, where: str) -> Cluster:
             host=_section(raw["host"], "host", Host, sources),
             runs=tuple(raw.get("runs", ())),
             probe_s=_value(raw.get("probe_s", 0.0), "probe_s", sources),
+            host_probe_ms=_value(raw.get("host_probe_ms", 0.0), "host_probe_ms", sources),
             sources=tuple(sorted(sources.items())),
         )
     except KeyError as e:

@@ -49,7 +49,9 @@ class Plan:
     runs each block's forward again on the weights it re-gathers anyway). `slowdown`: how
     many times slower each rank computes than the calibration measured (0: the cluster's own
     figure for the world, 1 unless ranks oversubscribe a node's units; a measured run on a
-    shared CPU gives its own)."""
+    shared CPU gives its own). `host_slowdown`: how many times slower the host launches work
+    than the calibration's host did (0: as fast; a measured GPU run's host probe against the
+    calibration's gives it, see benchmarks/host_probe.py)."""
 
     model: ModelConfig
     cluster: Cluster
@@ -62,6 +64,7 @@ class Plan:
     group_numel: int = 1 << 24
     recompute: bool = False
     slowdown: float = 0.0
+    host_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.batch <= 0:
@@ -88,6 +91,11 @@ class Plan:
     def share(self) -> float:
         """The factor on each rank's compute and host time (see `slowdown`)."""
         return self.slowdown or self.cluster.share(self.mesh.world)
+
+    @property
+    def host_share(self) -> float:
+        """The factor on each rank's host time: `share`, and the host's own speed."""
+        return self.share * (self.host_slowdown or 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,12 +307,12 @@ def group_comm_s(plan: Plan, group: list[Use], kind: str) -> float:
 
 def stages(plan: Plan, groups: list[list[Use]], gathers: bool, reduces: bool) -> list[Stage]:
     """The chain groups as lanes' stages, compute and host scaled on an oversubscribed node."""
-    share = plan.share
+    share, host = plan.share, plan.host_share
     return [
         Stage(
             gather_s=group_comm_s(plan, g, "all_gather") if gathers else 0.0,
             compute_s=share * sum(u.compute_s for u in g),
-            host_s=0.0 if plan.graphed else share * sum(u.host_s for u in g),
+            host_s=0.0 if plan.graphed else host * sum(u.host_s for u in g),
             reduce_s=group_comm_s(plan, g, "reduce_scatter") if reduces else 0.0,
             inline_s=sum(u.inline_s for u in g),
         )
@@ -349,8 +357,8 @@ def finish(
     """The step from the passes' timeline, then the collectives and compute after them (the
     replicated gradients, the optimizer) while the host launches the step's tail."""
     cl = plan.cluster
-    share = plan.share
-    host_tail = share * (cl.host.graph_step_us if plan.graphed else cl.host.step_us) * 1e-6
+    tail_us = cl.host.graph_step_us if plan.graphed else cl.host.step_us
+    host_tail = plan.host_share * tail_us * 1e-6
     device_end = timeline.end + after_comm_s + after_compute_s
     if cl.async_host:
         host_end = timeline.lanes.host + host_tail

@@ -10,6 +10,11 @@ mesh as `gtp-plan` writes it, and `calibration: true` when the JSON's rates were
 `probe_s`, a fixed GEMM loop timed in every rank just before its steps: against the
 calibration's own (`probe_s` of the JSON) it says how much slower the ranks computed then
 (oversubscription and the neighbours' load), which the prediction takes as its slowdown.
+A run on a GPU carries `host_probe_ms`, benchmarks/host_probe.py's host-bound workload timed
+beside its steps: against the calibration's own (`host_probe_ms` of the JSON, measured on the
+host its host costs came from) it says how much slower that host launched work, which scales
+the prediction's host time (an eager batch-1 step is host-bound; hosts of one kind ran one
+step up to 1.8 x apart).
 """
 
 from __future__ import annotations
@@ -77,8 +82,19 @@ def plan_of(cluster: Cluster, run: dict[str, Any]) -> tuple[Plan, str]:
         prefetch_depth=policy.get("prefetch_depth", 1),
         group_numel=policy.get("group_numel", 1 << 24),
         slowdown=run.get("probe_s", 0.0) / cluster.probe_s if cluster.probe_s else 0.0,
+        host_slowdown=host_slowdown(cluster, run),
     )
     return plan, method.removesuffix("_graph")
+
+
+def host_slowdown(cluster: Cluster, run: dict[str, Any]) -> float:
+    """How many times slower the run's host launched work than the calibration's (0: unknown,
+    taken as equal): both probes must exist, and only where the host runs ahead of the device
+    (on a CPU the GEMM probe's `slowdown` covers the host, which is the same cores)."""
+    probe = run.get("host_probe_ms", 0.0)
+    if not (cluster.async_host and cluster.host_probe_ms and probe):
+        return 0.0
+    return float(probe) / cluster.host_probe_ms
 
 
 def predicted_ms(cluster: Cluster, run: dict[str, Any]) -> float:

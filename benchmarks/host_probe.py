@@ -1,0 +1,64 @@
+"""How fast this host launches eager torch work now: a number to store beside a measurement.
+
+An eager step at batch 1 on a GPU is host-bound: it takes as long as the host takes to launch
+it. Hosts of one kind ran the same code up to 1.8 x apart (the 125M eager floor read 15.6 to
+32.4 ms on H200 hosts), so a host-bound step cannot be predicted without knowing the host's
+speed at the time. The probe is a fixed host-bound workload: the forward, loss and backward of
+the reference GPT at its smoke shape (d=64, 2 layers, 32 tokens), eager, in the compute dtype
+(bf16 on a GPU), whose kernels are too small for the device to be what it waits for. Timed
+just before and after a measurement, its ratio to the calibration's own probe says how much
+slower this host launched than the calibration's host did; `gtp-plan validate` scales a run's
+host time by it (`host_probe_ms` of a run, `host_probe_ms` of the calibration JSON).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gtp_wrap.app.model import GPT, GPTConfig
+
+SHAPE = GPTConfig(vocab=256, d=64, layers=2, heads=4, ffn=172, max_seq=64)
+TOKENS = 32
+REPS, STEPS = 5, 10
+
+
+class HostProbe:
+    """The probe's model and batch on `device`, built once; calling it times the workload."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        state = torch.random.get_rng_state()
+        torch.manual_seed(0)
+        with torch.device(device):
+            self.model = GPT(SHAPE).to(dtype)
+        torch.random.set_rng_state(state)  # the caller's own seeding is left as it was
+        g = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, SHAPE.vocab, (1, TOKENS + 1), generator=g).to(device)
+        self.x, self.y = idx[:, :-1], idx[:, 1:]
+        self()  # warm-up: first calls pay for kernel selection and allocation
+
+    def _step(self) -> None:
+        loss = F.cross_entropy(self.model(self.x).float().flatten(0, 1), self.y.flatten())
+        loss.backward()
+        self.model.zero_grad(set_to_none=True)
+
+    def __call__(self) -> float:
+        """Milliseconds per step of the workload: the fastest of `REPS` runs of `STEPS` steps,
+        the device synchronized around each run (a slower run measures a neighbour's burst)."""
+        best = float("inf")
+        for _ in range(REPS):
+            self._sync()
+            began = time.perf_counter()
+            for _ in range(STEPS):
+                self._step()
+            self._sync()
+            best = min(best, (time.perf_counter() - began) / STEPS)
+        return best * 1e3
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
