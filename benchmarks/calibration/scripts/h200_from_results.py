@@ -28,6 +28,7 @@ from gtp_wrap.scaling.predict import (  # noqa: E402
     LOSS_BYTES,
     Plan,
     pass_order,
+    predict,
     weight_gemms_s,
 )
 
@@ -198,8 +199,6 @@ def fit(raw: dict) -> dict:
     )
     # The graphed floor at 125M batch 1 (world 2): what the rates above leave is small kernels.
     cl = cluster_from_dict(raw, "partial")
-    from gtp_wrap.scaling.predict import predict
-
     measured = next(
         r
         for r in rows_of("bench_floor_graph_all.json")
@@ -211,19 +210,29 @@ def fit(raw: dict) -> dict:
         "results/bench_floor_graph_all.json: 125M batch-1 floor_graph, less "
         "the rates above, per layer",
     )
-    # Host: an eager floor at 125M batch 1 is host-bound; its host time per layer.
-    eager = next(
-        r
-        for r in rows_of("bench_fused_adamw.json")
-        if r["model"] == "125M" and r["method"] == "floor"
-    )["step_ms"]
-    step_us = raw["host"]["step_us"]["value"]
-    raw["host"]["layer_us"] = src(
-        (eager * 1e3 - step_us) / GPT_125M.layers,
-        "results/bench_fused_adamw.json: 125M batch-1 eager floor (host-bound), "
-        "less step_us, per layer",
-    )
-    raw["host"]["fsdp2_block_us"] = fit_fsdp2(raw)
+    if PROBED:
+        fit_host_probed(raw)
+    else:
+        # Host: an eager floor at 125M batch 1 is host-bound; its host time per layer.
+        eager = next(
+            r
+            for r in rows_of("bench_fused_adamw.json")
+            if r["model"] == "125M" and r["method"] == "floor"
+        )["step_ms"]
+        step_us = raw["host"]["step_us"]["value"]
+        raw["host"]["layer_us"] = src(
+            (eager * 1e3 - step_us) / GPT_125M.layers,
+            "results/bench_fused_adamw.json: 125M batch-1 eager floor (host-bound), "
+            "less step_us, per layer",
+        )
+        fsdp2_1p36b = next(
+            r
+            for r in rows_of("bench_fused_adamw.json")
+            if r["model"] == "1.36B" and r["batch"] == 1 and r["method"] == "fsdp2"
+        )
+        raw["host"]["fsdp2_block_us"] = fit_fsdp2(
+            raw, fsdp2_1p36b["step_ms"], "results/bench_fused_adamw.json", Mesh(gtp=2)
+        )
     c.update(fit_decode())
     return raw
 
@@ -245,21 +254,61 @@ def fit_decode() -> dict:
     return out
 
 
-def fit_fsdp2(raw: dict) -> dict:
-    """FSDP2's host time per block and step, bisected to its 1.36B batch-1 eager step (it is
-    host-bound there; ../shared/GPU.md's ~2 ms per module group is where the search starts)."""
-    measured = next(
-        r
-        for r in rows_of("bench_fused_adamw.json")
-        if r["model"] == "1.36B" and r["batch"] == 1 and r["method"] == "fsdp2"
-    )
-    lo, hi = 0.0, 20000.0
+def bisect_host(raw: dict, key: str, predicted_ms, measured_ms: float, hi: float) -> float:
+    """The value of host cost `key` (µs) at which `predicted_ms(cluster)` meets the measured
+    step (the step grows with it)."""
+    lo = 0.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        raw["host"]["fsdp2_block_us"] = mid
-        plan = Plan(GPT_1P36B, cluster_from_dict(raw, "fsdp2"), Mesh(gtp=2), 1, 2048)
-        lo, hi = (mid, hi) if fsdp2(plan).step * 1e3 < measured["step_ms"] else (lo, mid)
-    return src(lo, "results/bench_fused_adamw.json: 1.36B batch-1 fsdp2 step (fit)")
+        raw["host"][key] = mid
+        cluster = cluster_from_dict(raw, key)
+        lo, hi = (mid, hi) if predicted_ms(cluster) < measured_ms else (lo, mid)
+    return lo
+
+
+def fit_fsdp2(raw: dict, measured_ms: float, source: str, mesh: Mesh) -> dict:
+    """FSDP2's host time per block and step, bisected to its 1.36B batch-1 eager step (it is
+    host-bound there; ../shared/GPU.md's ~2 ms per module group is where the search starts)."""
+
+    def predicted(cl) -> float:
+        return fsdp2(Plan(GPT_1P36B, cl, mesh, 1, 2048)).step * 1e3
+
+    value = bisect_host(raw, "fsdp2_block_us", predicted, measured_ms, 20000.0)
+    return src(value, f"{source}: 1.36B batch-1 fsdp2 step (fit)")
+
+
+def probed_row(model: str, method: str) -> dict:
+    return next(
+        r for r in rows_of(PROBED[0]) if (r["model"], r["batch"], r["method"]) == (model, 1, method)
+    )
+
+
+def fit_host_probed(raw: dict) -> None:
+    """The host costs from one bench_step run that carries the host probe (PROBED[0]), with
+    that probe: the eager floor's host time per layer (125M batch 1, host-bound), GTP's per
+    use in a group of one (its eager 125M batch-1 step, fit), FSDP2's per block (its 1.36B
+    batch-1 step, fit), all on one host at one time."""
+    where = f"results/{PROBED[0]}"
+    floor = probed_row("125M", "floor")
+    step_us = raw["host"]["step_us"]["value"]
+    raw["host"]["layer_us"] = src(
+        (floor["step_ms"] * 1e3 - step_us) / GPT_125M.layers,
+        f"{where}: 125M batch-1 eager floor (host-bound), less step_us, per layer",
+    )
+    raw["host_probe_ms"] = src(
+        floor["host_probe_ms"], f"{where}: benchmarks/host_probe.py beside that floor"
+    )
+    gtp = probed_row("125M", "gtp")
+
+    def predicted(cl) -> float:
+        return predict(Plan(GPT_125M, cl, Mesh(), 1, 2048), "gtp").step * 1e3
+
+    raw["host"]["use_us_local"] = src(
+        bisect_host(raw, "use_us_local", predicted, gtp["step_ms"], 2000.0),
+        f"{where}: 125M batch-1 eager gtp step, world 1 (fit)",
+    )
+    fsdp = probed_row("1.36B", "fsdp2")
+    raw["host"]["fsdp2_block_us"] = fit_fsdp2(raw, fsdp["step_ms"], where, Mesh())
 
 
 # (results file, world, [(model, batch, method)] or None for every row), calibration or not.
@@ -288,11 +337,19 @@ RUNS = [
     ("bench_floor_graph_all.json", [("1.36B", b, "floor_graph") for b in (1, 4, 8)], False),
 ]
 MODEL_NAMES = {"1.36B": "gpt_1p36b", "125M": "gpt_125m"}
+# bench_step runs that carry the host probe (benchmarks/host_probe.py), the first one the host
+# calibration (fit_host_probed); the rest of its rows, and every row of the others, held out.
+PROBED: list[str] = []
+PROBED_CALIBRATION = {("125M", 1, "floor"), ("125M", 1, "gtp"), ("1.36B", 1, "fsdp2")}
 
 
 def runs() -> list[dict]:
     out = []
-    for name, which, calibration in RUNS:
+    runs = list(RUNS)
+    if PROBED:  # the host is calibrated on a probed run instead
+        runs = [(n, w, c and n != "bench_fused_adamw.json") for n, w, c in runs]
+        runs += [(n, "all", None) for n in PROBED]
+    for name, which, calibration in runs:
         if which is None:
             continue  # a profile: used by the fit above, not a step run
         data = load(name)
@@ -303,6 +360,8 @@ def runs() -> list[dict]:
                 continue
             if r["method"] not in ("floor", "floor_graph", "gtp", "gtp_graph", "fsdp2"):
                 continue
+            if calibration is None:  # a probed run: the host's calibration rows, if its first
+                calibration = name == PROBED[0] and key in PROBED_CALIBRATION
             out.append(
                 {
                     "model": MODEL_NAMES[r["model"]],
@@ -311,6 +370,7 @@ def runs() -> list[dict]:
                     "mesh": f"gtp={world}" if world > 1 else "",
                     "method": r["method"],
                     "measured_ms": round(r["step_ms"], 2),
+                    **({"host_probe_ms": r["host_probe_ms"]} if "host_probe_ms" in r else {}),
                     "source": f"results/{name}",
                     "calibration": calibration,
                 }
