@@ -13,6 +13,7 @@ host time by it (`host_probe_ms` of a run, `host_probe_ms` of the calibration JS
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -47,17 +48,19 @@ class HostProbe:
         self.model.zero_grad(set_to_none=True)
 
     def __call__(self) -> float:
-        """Milliseconds per step of the workload: the fastest of `REPS` runs of `STEPS` steps,
-        the device synchronized around each run (a slower run measures a neighbour's burst)."""
-        best = float("inf")
+        """Milliseconds per step of the workload: the median of `REPS` runs of `STEPS` steps,
+        the device synchronized around each run. A median, as bench_step's steps are: a
+        host shared with busy neighbours slows every step it runs, and the fastest run would
+        catch the moments the neighbours left it alone."""
+        runs = []
         for _ in range(REPS):
             self._sync()
             began = time.perf_counter()
             for _ in range(STEPS):
                 self._step()
             self._sync()
-            best = min(best, (time.perf_counter() - began) / STEPS)
-        return best * 1e3
+            runs.append((time.perf_counter() - began) / STEPS)
+        return statistics.median(runs) * 1e3
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
