@@ -44,7 +44,6 @@ class BlockMembers:
 
     params: tuple[GTPParameter, ...]
     weights: tuple[ShardedWeight | CastWeight, ...]
-    dtypes: tuple[torch.dtype, ...]  # the parameters' own (their gradients are cast back to it)
     sharded: tuple[ShardedWeight, ...]  # what a call gathers again in backward, in order
     position: dict[int, int]  # a sharded weight's index -> its place in `sharded`
 
@@ -52,10 +51,8 @@ class BlockMembers:
     def of(cls, params: list[GTPParameter]) -> BlockMembers:
         weights = tuple(p.gtp_weight for p in params)
         sharded = tuple(w for w in weights if isinstance(w, ShardedWeight))
-        with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads, not uses
-            dtypes = tuple(p.dtype for p in params)
         position = {w.index: i for i, w in enumerate(sharded)}
-        return cls(tuple(params), weights, dtypes, sharded, position)
+        return cls(tuple(params), weights, sharded, position)
 
 
 @dataclasses.dataclass

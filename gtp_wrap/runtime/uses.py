@@ -276,7 +276,8 @@ class BlockWeights(torch.autograd.Function):
     """The weights of a block run on gathered weights, one use each, as one autograd node: per
     block one node to make and run instead of one `RouteGrad` or `CastGrad` per weight. Its
     backward hands the gradient of each sharded weight this backward asks for to the
-    reduce-scatter, and casts each replicated one's back to its parameter's dtype.
+    reduce-scatter, and returns each replicated one's as it came, in the compute dtype:
+    autograd casts a gradient to its input's dtype itself (no Python call for it).
 
     [Note: unused weights of a block] Every rank gathers every weight of a block, whatever the
     block then uses, so a rank's forward cannot show that its ranks took different branches
@@ -289,7 +290,7 @@ class BlockWeights(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, uses: Uses, members: BlockMembers, *params: GTPParameter):  # type: ignore[override]
-        ctx.uses, ctx.weights, ctx.dtypes = uses, members.weights, members.dtypes
+        ctx.uses, ctx.weights = uses, members.weights
         ctx.set_materialize_grads(False)  # unused weights: zeros made only where needed
         out = [uses._weight_of(w) for w in ctx.weights]
         out = [t.view_as(t) for t in out]  # outputs of this node, not the buffers themselves
@@ -304,11 +305,11 @@ class BlockWeights(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None, None]  # for `uses` and `members`
         runs = _will_run_all(ctx, first=2)
         sharded: list[tuple[ShardedWeight, torch.Tensor]] = []
-        for w, dtype, grad, run in zip(ctx.weights, ctx.dtypes, grads, runs):
+        for w, grad, run in zip(ctx.weights, grads, runs):
             if not run:
                 out.append(None)
             elif type(w) is not ShardedWeight:
-                out.append(None if grad is None else grad.to(dtype))
+                out.append(grad)
             else:  # see [Note: unused weights of a block]
                 sharded.append((w, uses.zeros_like_use(w) if grad is None else grad))
                 out.append(None)
@@ -320,16 +321,16 @@ _block_weights = _applied(BlockWeights)
 
 
 class CastGrad(torch.autograd.Function):
-    """A replicated parameter used through its compute-dtype copy."""
+    """A replicated parameter used through its compute-dtype copy; its gradient goes back as it
+    came, which autograd casts to the parameter's dtype."""
 
     @staticmethod
     def forward(ctx, param, cast):  # type: ignore[override]
-        ctx.dtype = param.dtype
         return cast.view_as(cast)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return grad.to(ctx.dtype), None
+        return grad, None
 
 
 _cast_grad = _applied(CastGrad)
