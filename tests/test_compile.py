@@ -399,9 +399,9 @@ def test_compiled_gpt_on_cuda_equals_eager() -> None:
         assert rank["gpt"]["compiled"]["graphs"] == [1, 1, 1]
 
 
-def test_a_blocks_gradients_land_together_in_a_group_of_one() -> None:
-    """World of one, bf16 over fp32 masters: a block's weight gradients land by one cast into
-    one buffer (see [Note: a block's gradients land together]), equal to the unwrapped bf16
+def test_a_blocks_gradients_in_a_group_of_one_accumulate_through_autograd() -> None:
+    """World of one, bf16 over fp32 masters: autograd accumulates a block's weight gradients
+    itself (see [Note: a block's gradients in a group of one]), equal to the unwrapped bf16
     model's gradients cast to fp32; a second backward accumulates into them."""
     torch.manual_seed(0)
     ref = _gpt()
@@ -422,10 +422,9 @@ def test_a_blocks_gradients_land_together_in_a_group_of_one() -> None:
     assert "blocks.0.attn.qkv.weight" in want and "blocks.2.mlp.down.weight" in want
     for n, g in want.items():
         assert torch.equal(got[n].grad, g), n
-    # The block's weights' gradients share one buffer, made in the first backward.
-    qkv, proj = model.blocks[0].attn.qkv.weight, model.blocks[0].attn.o.weight
-    with torch._C.DisableTorchFunctionSubclass():
-        assert qkv.grad.untyped_storage().data_ptr() == proj.grad.untyped_storage().data_ptr()
+    # Those are the weights whose block gradients autograd accumulates itself.
+    accumulated = engine_of(model).reducer.accumulated
+    assert model.blocks[0].attn.qkv.weight.gtp_weight.index in accumulated
     # A differentiable backward (create_graph) lands each gradient on its own route (its values
     # as before this change: autograd's create_graph backward rounds a little differently).
     model.zero_grad(set_to_none=True)
@@ -438,3 +437,58 @@ def test_a_blocks_gradients_land_together_in_a_group_of_one() -> None:
         rtol=1e-2,
         atol=1e-4,
     )
+
+
+class _TiedOutside(torch.nn.Module):
+    """Two blocks of a Linear each; the first one's weight is read again outside every block,
+    by the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.GELU())
+            for _ in range(2)
+        )
+        self.out = torch.nn.Linear(16, 16, bias=False)
+        self.out.weight = self.blocks[0][0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _tied_grads(accumulate: bool) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Two backwards of `_TiedOutside` on blocks over gathered weights (world of one, bf16 over
+    fp32 masters), autograd accumulating the blocks' gradients or the reducer landing them;
+    the gradients, and what a hook on the tied weight saw after each backward."""
+    torch.manual_seed(0)
+    model = GTPWrap(
+        _TiedOutside(), {**POLICY, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    )
+    gtp_wrap.gather_per_block(model)
+    engine = engine_of(model)
+    if not accumulate:  # every block gradient through `reduce_grad`, the reducer's own route
+        engine.accumulated = frozenset()
+    seen: list[torch.Tensor] = []
+    model.out.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(x).float().square().sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, seen
+
+
+def test_a_weight_of_a_block_read_outside_it_too_sums_both_gradients() -> None:
+    """A block weight's gradient accumulated by autograd meets its other use's, landed by the
+    reducer, in one `.grad`: the same, bit for bit, as when the reducer lands both; its hook
+    runs once per backward, on the whole sum."""
+    got, seen = _tied_grads(accumulate=True)
+    want, want_seen = _tied_grads(accumulate=False)
+    assert got.keys() == want.keys() == {"blocks.0.0.weight", "blocks.1.0.weight"}
+    for n, g in want.items():
+        assert torch.equal(got[n], g), n
+    assert len(seen) == len(want_seen) == 2
+    for a, b in zip(seen, want_seen):
+        assert torch.equal(a, b)
+    assert torch.equal(seen[-1], got["blocks.0.0.weight"])
+    assert not torch.equal(seen[0], seen[1])  # the second backward added to the first

@@ -113,11 +113,11 @@ class GTPParameter(nn.Parameter):
         if type(weight) is not ShardedWeight:
             return super().register_hook(hook)
         raise WrapError(
-            f"register_hook on the sharded parameter '{weight.fqn}': no gradient "
-            "flows into it through autograd (the engine reduce-scatters the full weight's "
-            "gradient and writes this rank's rows into .grad), so the hook would only ever see "
-            "None. Use register_post_accumulate_grad_hook, which runs once the reduced "
-            "gradient is in .grad, or change .grad after backward"
+            f"register_hook on the sharded parameter '{weight.fqn}': its gradient does not "
+            "flow into it through autograd (the engine reduce-scatters each use's full-weight "
+            "gradient and writes this rank's rows into .grad), so the hook would see None, or "
+            "one use's part. Use register_post_accumulate_grad_hook, which runs once the "
+            "reduced gradient is in .grad, or change .grad after backward"
         )
 
     def register_post_accumulate_grad_hook(self, hook):  # type: ignore[override]

@@ -142,11 +142,13 @@ class ShardedWeight:
     def add_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
         """`param.register_post_accumulate_grad_hook(hook)` for this sharded parameter.
 
-        [Note: hooks on shards] Autograd never accumulates into a sharded parameter (the
-        reducer writes its reduced rows into `.grad` when the reduce-scatter is finalized), so
-        autograd would run such a hook too early, with `.grad` not yet written. The reducer
-        runs it instead, once per backward, after that backward's last gradient landed and its
-        pass closed, so the hook may step an optimizer on the shard (optimizer-in-backward).
+        [Note: hooks on shards] The reducer writes a sharded parameter's `.grad` when its
+        reduce-scatter is finalized; autograd accumulates into it only a block's gradient with
+        no peer to reduce with (see [Note: a block's gradients in a group of one]). Either way
+        autograd would run such a hook at the wrong time: before `.grad` is written, or before
+        the weight's other uses in this backward landed. The reducer runs it instead, once per
+        backward, after that backward's last gradient landed and its pass closed, so the hook
+        may step an optimizer on the shard (optimizer-in-backward).
         """
         if self.grad_hooks is None:
             # An OrderedDict, as torch's own hook dicts: the handle keeps a weak reference.

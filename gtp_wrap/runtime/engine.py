@@ -180,6 +180,7 @@ class GTPEngine:
         self.take_recomputed = self.gatherer.take_recomputed
         self.reduce_grad = self.reducer.reduce_grad
         self.reduce_grads = self.reducer.reduce_grads
+        self.accumulated = self.reducer.accumulated
         # [Note: buffers between steps] Between eager steps the model's gather and staging
         # buffers go back to the allocator. Kept, they would sit under the optimizer step,
         # where AdamW's temporaries put the memory peak at small batch (0.2 GiB at 1.36B: an

@@ -65,9 +65,16 @@ class GradReducer(Part):
             for w in self.weights
             if w.axis.size == 1 and w.replicas.size == 1 and w.geometry.dim == 0
         )
-        # Of those, the ones a block's backward may land together (see [Note: a block's
-        # gradients land together]): no expert-stack scale to apply first.
-        self.batchable = self.unreduced - self.scale.keys()
+        # Of those, the ones autograd may accumulate itself after a block's backward (see
+        # [Note: a block's gradients in a group of one]): no expert-stack scale to apply, and a
+        # reduce dtype that changes nothing when rounded to first (the use's or the shard's).
+        self.accumulated = frozenset(
+            w.index
+            for w in self.weights
+            if w.index in self.unreduced
+            and w.index not in self.scale
+            and reduce_dtype in (None, w.meta.dtype, w.geometry.dtype)
+        )
         self._collecting = ReduceGroup()  # gradients not yet issued
         self._reducing: ReduceGroup | None = None  # issued, not yet finalized
         self._averaging: ReduceGroup | None = None  # reduced, its dp all-reduces in flight
@@ -138,58 +145,32 @@ class GradReducer(Part):
             if group.numel >= self.group_numel and self._unit_complete(group, w):
                 self._issue()
 
-    def reduce_grads(self, grads: list[tuple[ShardedWeight, torch.Tensor]]) -> None:
-        """`reduce_grad` for several weights' gradients at once (a block's), in order.
+    def reduce_grads(
+        self,
+        grads: list[tuple[ShardedWeight, torch.Tensor]],
+        accumulated: list[tuple[ShardedWeight, torch.Tensor]],
+    ) -> None:
+        """A block's gradients: `reduce_grad` for each of `grads`, in order; `accumulated`
+        are those that autograd itself accumulates into `.grad` once the block's node returns
+        them (see [Note: a block's gradients in a group of one]), counted and advanced here.
 
-        [Note: a block's gradients land together] Gradients with no peer to reduce with (a
-        group of one, no dp) that become `.grad` (none there yet) in another dtype than they
-        came in would each cost a cast kernel and an allocation: 62 per step at 125M, where the
-        step's `.to` calls, most of them these casts, took 3.7 ms of host time on an H200 host
-        (`benchmarks/RESULTS.md`). A block's are instead cast into views of one new flat
-        gradient buffer by one multi-tensor copy. The values are those of `_land_unreduced`:
-        the same casts, where rounding to the reduce dtype first changes nothing (it is the
-        gradient's own dtype or the shard's). A differentiable backward (create_graph) lands
-        each on its own route."""
-        with torch._C.DisableTorchFunctionSubclass():
-            together, rest = ([], grads) if torch.is_grad_enabled() else self._split(grads)
-            if len(together) > 1:  # one alone lands on its own route, as the rest do
-                grads = rest
-                self.ensure_backward()
-                flat = torch.empty(
-                    sum(g.numel() for _, g in together),
-                    dtype=together[0][0].geometry.dtype,
-                    device=self.device,
-                )
-                views = flat.split([g.numel() for _, g in together])
-                targets = [v.view(w.geometry.local_shape) for v, (w, _) in zip(views, together)]
-                torch._foreach_copy_(targets, [g for _, g in together])
-                for (w, g), target in zip(together, targets):
-                    self._landed_now(w, g.numel() * (self.reduce_dtype or g.dtype).itemsize)
-                    w.param.grad = target
+        [Note: a block's gradients in a group of one] A gradient with no peer to reduce with (a
+        group of one, no dp) is its shard's gradient as it is, cast to the shard's dtype. The
+        block's autograd node returns those gradients for its parameters, and autograd casts
+        each to its parameter's dtype and accumulates it into `.grad` (taking the cast itself
+        when there is none yet), in C++: no Python work per weight but this bookkeeping, where
+        a landing of our own cost an allocation, a split, a view per weight, a multi-tensor
+        copy and a `.grad` write per weight (118 µs of Python per block call in a backward on
+        an H200 host, `benchmarks/RESULTS.md`). The values are `_land_unreduced`'s: the same
+        cast, with the reduce dtype one that rounding to first changes nothing for. Autograd
+        runs no hook of ours early: users' hooks on sharded parameters are the reducer's (see
+        [Note: hooks on shards]), run when backward ends."""
+        if accumulated:
+            self.ensure_backward()
+            for w, g in accumulated:
+                self._landed_now(w, g.numel() * (self.reduce_dtype or g.dtype).itemsize)
         for w, g in grads:
             self.reduce_grad(w, g)
-
-    def _split(
-        self, grads: list[tuple[ShardedWeight, torch.Tensor]]
-    ) -> tuple[list[tuple[ShardedWeight, torch.Tensor]], list[tuple[ShardedWeight, torch.Tensor]]]:
-        """`grads` as (those that land unreduced as a cast of themselves into a new `.grad` of
-        the first such weight's dtype, the rest), each in order (see [Note: a block's
-        gradients land together])."""
-        together: list[tuple[ShardedWeight, torch.Tensor]] = []
-        rest: list[tuple[ShardedWeight, torch.Tensor]] = []
-        for w, grad in grads:
-            dtype = self.reduce_dtype or grad.dtype
-            geo_dtype = w.geometry.dtype
-            lands = (
-                w.index in self.batchable
-                and w.region is None
-                and w.param.grad is None
-                and grad.dtype != geo_dtype
-                and dtype in (grad.dtype, geo_dtype)
-                and (not together or geo_dtype == together[0][0].geometry.dtype)
-            )
-            (together if lands else rest).append((w, grad))
-        return together, rest
 
     def _unit_complete(self, group: ReduceGroup, w: ShardedWeight) -> bool:
         """Whether the group may close after `w`: not between the expert stacks of one layer,

@@ -107,7 +107,13 @@ class GradRuntime(Protocol):
 
     def reduce_grad(self, w: ShardedWeight, grad: torch.Tensor, owned: bool = False) -> None: ...
 
-    def reduce_grads(self, grads: list[tuple[ShardedWeight, torch.Tensor]]) -> None: ...
+    accumulated: frozenset[int]  # weights whose block gradients autograd accumulates itself
+
+    def reduce_grads(
+        self,
+        grads: list[tuple[ShardedWeight, torch.Tensor]],
+        accumulated: list[tuple[ShardedWeight, torch.Tensor]],
+    ) -> None: ...
 
 
 class Uses:
@@ -276,8 +282,9 @@ class BlockWeights(torch.autograd.Function):
     """The weights of a block run on gathered weights, one use each, as one autograd node: per
     block one node to make and run instead of one `RouteGrad` or `CastGrad` per weight. Its
     backward hands the gradient of each sharded weight this backward asks for to the
-    reduce-scatter, and returns each replicated one's as it came, in the compute dtype:
-    autograd casts a gradient to its input's dtype itself (no Python call for it).
+    reduce-scatter, or, with no peer to reduce with, returns it for autograd to accumulate (see
+    [Note: a block's gradients in a group of one], runtime/reduce.py), and returns each
+    replicated one's as it came: autograd casts a gradient to its input's dtype itself.
 
     [Note: unused weights of a block] Every rank gathers every weight of a block, whatever the
     block then uses, so a rank's forward cannot show that its ranks took different branches
@@ -302,18 +309,28 @@ class BlockWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
         uses: Uses = ctx.uses
+        runtime = uses.runtime
         out: list[torch.Tensor | None] = [None, None]  # for `uses` and `members`
         runs = _will_run_all(ctx, first=2)
+        # A differentiable backward (create_graph) hands every sharded one to the reducer.
+        accumulates = () if torch.is_grad_enabled() else runtime.accumulated
         sharded: list[tuple[ShardedWeight, torch.Tensor]] = []
+        accumulated: list[tuple[ShardedWeight, torch.Tensor]] = []
         for w, grad, run in zip(ctx.weights, grads, runs):
-            if not run:
-                out.append(None)
-            elif type(w) is not ShardedWeight:
+            if run is False or type(w) is not ShardedWeight:
+                out.append(None if run is False else grad)
+                continue
+            if grad is None:  # see [Note: unused weights of a block]
+                grad = uses.zeros_like_use(w)
+            # `run` is None under autograd.grad(), which returns a gradient, never accumulates
+            # it: the reducer writes `.grad` then, as for every use (a graphed region's capture)
+            if run and w.index in accumulates and w.region is None:
+                accumulated.append((w, grad))  # see [Note: a block's gradients in a group of one]
                 out.append(grad)
-            else:  # see [Note: unused weights of a block]
-                sharded.append((w, uses.zeros_like_use(w) if grad is None else grad))
+            else:
+                sharded.append((w, grad))
                 out.append(None)
-        uses.runtime.reduce_grads(sharded)
+        runtime.reduce_grads(sharded, accumulated)
         return tuple(out)
 
 
@@ -369,35 +386,40 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torc
     return grad.t().to(dtype) @ x.to(dtype)
 
 
-def _will_run_all(ctx, first: int) -> list[bool]:
-    """`_runs` for every input from `first` on, all tensors, reading the node's edges once
+def _will_run_all(ctx, first: int) -> list[bool | None]:
+    """`_will_run` for every input from `first` on, all tensors, reading the node's edges once
     (they leave out the inputs before `first`, which are not tensors)."""
     edges = ctx.next_functions
-    return [_runs(needed, node) for needed, (node, _) in zip(ctx.needs_input_grad[first:], edges)]
+    return [
+        _will_run(needed, node) for needed, (node, _) in zip(ctx.needs_input_grad[first:], edges)
+    ]
 
 
 def _asked(needs: tuple[bool, ...], edges: tuple, index: int) -> bool:
-    """`_runs` for input `index`, given `ctx.needs_input_grad` and `ctx.next_functions`
-    (whose entries stop at the last tensor input: read only where the input needs one)."""
-    return needs[index] and _runs(True, edges[index][0])
+    """Whether this backward needs the gradient of input `index`, given
+    `ctx.needs_input_grad` and `ctx.next_functions` (whose entries stop at the last tensor
+    input: read only where the input needs one)."""
+    return needs[index] and _will_run(True, edges[index][0]) is not False
 
 
-def _runs(needed: bool, node: Any) -> bool:
+def _will_run(needed: bool, node: Any) -> bool | None:
     """Whether this backward needs the gradient of an input: `needed`, its entry of
-    `ctx.needs_input_grad`, and `node`, its edge's node in `ctx.next_functions`.
+    `ctx.needs_input_grad`, and `node`, its edge's node in `ctx.next_functions`. None: it may,
+    and the engine cannot say, as under autograd.grad() for a leaf (a parameter), whose
+    gradient autograd.grad() returns rather than accumulates.
 
     [Note: needs_input_grad] `ctx.needs_input_grad` is fixed at forward time, while autograd's
     own nodes compute only what the running backward asks for: `autograd.grad(loss, x)` or
     `backward(inputs=[x])` must not reduce-scatter weight gradients. The engine knows which
-    nodes it will run; asked about a node outside the graph it raises, and then the gradient
-    is computed, as before.
+    nodes it will run; asked about a leaf's node under autograd.grad() it raises, and then the
+    gradient is computed, as before.
     """
     if not needed:
         return False
     try:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
-        return True
+        return None
 
 
 class ShardedLinear(torch.autograd.Function):
