@@ -55,11 +55,27 @@ def test_a_runs_host_probe_scales_its_host_time_only() -> None:
     assert same == pytest.approx(pred.step * 1e3)
     assert slow == pytest.approx(2 * same, rel=0.05)
     assert predicted_ms(cluster, run) == same  # no probe in the run
-    assert predicted_ms(H200, dict(run, host_probe_ms=4.0)) == predicted_ms(H200, run)
+    unprobed = dataclasses.replace(H200, host_probe_ms=0.0)
+    assert predicted_ms(unprobed, dict(run, host_probe_ms=4.0)) == predicted_ms(unprobed, run)
     graphed = dict(run, method="floor_graph")
     assert predicted_ms(cluster, dict(graphed, host_probe_ms=4.0)) == pytest.approx(
         predicted_ms(cluster, graphed), rel=0.01
     )
+
+
+def test_host_probes_bring_eager_batch1_runs_closer() -> None:
+    """The stored eager batch-1 runs that carry a host probe (benchmarks/host_probe.py) are
+    predicted closer with their host time scaled by it than without: its purpose."""
+    unscaled = dataclasses.replace(H200, host_probe_ms=0.0)
+    probed = [
+        (c, u)
+        for c, u in zip(check(H200), check(unscaled))
+        if "host_probe_ms" in c.run and not c.calibration and not c.run["method"].endswith("_graph")
+    ]
+    assert len(probed) >= 8
+    scaled_err = sum(abs(c.error) for c, _ in probed) / len(probed)
+    unscaled_err = sum(abs(u.error) for _, u in probed) / len(probed)
+    assert scaled_err < 0.75 * unscaled_err, (scaled_err, unscaled_err)
 
 
 # ---- the chain's overlap, by hand ------------------------------------------------------------

@@ -339,7 +339,10 @@ RUNS = [
 MODEL_NAMES = {"1.36B": "gpt_1p36b", "125M": "gpt_125m"}
 # bench_step runs that carry the host probe (benchmarks/host_probe.py), the first one the host
 # calibration (fit_host_probed); the rest of its rows, and every row of the others, held out.
-PROBED: list[str] = []
+PROBED: list[str] = [
+    "host_probe_1203/bench_probe_1624.json",
+    "host_probe_1203/bench_probe_1637.json",
+]
 PROBED_CALIBRATION = {("125M", 1, "floor"), ("125M", 1, "gtp"), ("1.36B", 1, "fsdp2")}
 
 
@@ -360,8 +363,9 @@ def runs() -> list[dict]:
                 continue
             if r["method"] not in ("floor", "floor_graph", "gtp", "gtp_graph", "fsdp2"):
                 continue
-            if calibration is None:  # a probed run: the host's calibration rows, if its first
-                calibration = name == PROBED[0] and key in PROBED_CALIBRATION
+            fitted = calibration
+            if fitted is None:  # a probed run: the host's calibration rows, in its first
+                fitted = name == PROBED[0] and key in PROBED_CALIBRATION
             out.append(
                 {
                     "model": MODEL_NAMES[r["model"]],
@@ -372,7 +376,7 @@ def runs() -> list[dict]:
                     "measured_ms": round(r["step_ms"], 2),
                     **({"host_probe_ms": r["host_probe_ms"]} if "host_probe_ms" in r else {}),
                     "source": f"results/{name}",
-                    "calibration": calibration,
+                    "calibration": fitted,
                 }
             )
     return out
