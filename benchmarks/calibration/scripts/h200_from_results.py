@@ -342,6 +342,7 @@ MODEL_NAMES = {"1.36B": "gpt_1p36b", "125M": "gpt_125m"}
 PROBED: list[str] = [
     "host_probe_1203/bench_probe_1624.json",
     "host_probe_1203/bench_probe_1637.json",
+    "host_probe_1203/bench_probe_1657.json",
 ]
 PROBED_CALIBRATION = {("125M", 1, "floor"), ("125M", 1, "gtp"), ("1.36B", 1, "fsdp2")}
 
