@@ -32,11 +32,11 @@ class HostProbe:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        state = torch.random.get_rng_state()
-        torch.manual_seed(0)
-        with torch.device(device):
-            self.model = GPT(SHAPE).to(dtype)
-        torch.random.set_rng_state(state)  # the caller's own seeding is left as it was
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # the caller's own seeding is left as it was
+            torch.manual_seed(0)
+            with torch.device(device):
+                self.model = GPT(SHAPE).to(dtype)
         g = torch.Generator().manual_seed(0)
         idx = torch.randint(0, SHAPE.vocab, (1, TOKENS + 1), generator=g).to(device)
         self.x, self.y = idx[:, :-1], idx[:, 1:]

@@ -409,6 +409,15 @@ def test_a_blocks_gradients_in_a_group_of_one_accumulate_through_autograd() -> N
     model.load_state_dict(ref.state_dict())
     gtp_wrap.gather_per_block(model)
     ref = ref.to(torch.bfloat16)
+    landed_by_reducer: list[str] = []  # the reducer's own landing, per weight it lands
+    reducer = engine_of(model).reducer
+    own_landing = reducer._land_unreduced
+
+    def counted(w, *args):
+        landed_by_reducer.append(w.fqn)
+        return own_landing(w, *args)
+
+    reducer._land_unreduced = counted
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     want: dict[str, torch.Tensor] = {}
     for _ in range(2):  # the second accumulates (in fp32, as the reference's sum here)
@@ -422,9 +431,8 @@ def test_a_blocks_gradients_in_a_group_of_one_accumulate_through_autograd() -> N
     assert "blocks.0.attn.qkv.weight" in want and "blocks.2.mlp.down.weight" in want
     for n, g in want.items():
         assert torch.equal(got[n].grad, g), n
-    # Those are the weights whose block gradients autograd accumulates itself.
-    accumulated = engine_of(model).reducer.accumulated
-    assert model.blocks[0].attn.qkv.weight.gtp_weight.index in accumulated
+    # Autograd accumulated the blocks' weights; the reducer landed only the uses outside them.
+    assert landed_by_reducer and not [n for n in landed_by_reducer if n.startswith("blocks.")]
     # A differentiable backward (create_graph) lands each gradient on its own route (its values
     # as before this change: autograd's create_graph backward rounds a little differently).
     model.zero_grad(set_to_none=True)
@@ -492,3 +500,36 @@ def test_a_weight_of_a_block_read_outside_it_too_sums_both_gradients() -> None:
         assert torch.equal(a, b)
     assert torch.equal(seen[-1], got["blocks.0.0.weight"])
     assert not torch.equal(seen[0], seen[1])  # the second backward added to the first
+
+
+class _TiedAcross(torch.nn.Module):
+    """Three blocks, the first and the last sharing one Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.GELU())
+            for _ in range(3)
+        )
+        self.blocks[2][0] = self.blocks[0][0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_weight_shared_by_blocks_accumulates_as_in_plain_torch() -> None:
+    """A weight two blocks share, in a group of one: autograd sums its two uses and
+    accumulates them, as for the unwrapped model, bit for bit over two backwards."""
+    torch.manual_seed(0)
+    ref = _TiedAcross()
+    model = GTPWrap(copy.deepcopy(ref), POLICY)
+    gtp_wrap.gather_per_block(model)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+    got = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        assert torch.equal(got[n].grad, p.grad), n

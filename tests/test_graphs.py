@@ -285,9 +285,9 @@ def _region_on_gathered_block(rank: int, world: int) -> dict:
 
 @gpu
 def test_a_region_over_a_block_on_gathered_weights() -> None:
-    """Called on its own, outside the model's forward, the region runs its block eagerly (the
-    block opens its own pass) and gives what the block gives without a region; in training it
-    replays, and trains as the eager blocks do, bit for bit."""
+    """Called on its own, outside the model's forward, the region's block (which opens its own
+    pass) gives what it gives without a region, output and input gradient; in training the
+    region replays, and trains as the eager blocks do, bit for bit."""
     for rank, got in enumerate(
         run_ranks(_region_on_gathered_block, GPUS, timeout=100, backend="nccl")
     ):

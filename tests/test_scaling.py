@@ -45,7 +45,8 @@ def test_held_out_graphed_h200_steps_within_target() -> None:
 def test_a_runs_host_probe_scales_its_host_time_only() -> None:
     """A run whose host probe read twice the calibration's: the host-bound eager batch-1 floor
     is predicted twice as long where its host sets the pace; a graphed step (no host work per
-    use) and a run without a probe, or against a calibration without one, are as before."""
+    use: only its replay's launch scales) within 1 %, and a run without a probe, or against a
+    calibration without one, exactly as before."""
     cluster = dataclasses.replace(H200, host_probe_ms=2.0)
     run = {"model": "gpt_125m", "batch": 1, "seq": 2048, "mesh": "", "method": "floor"}
     plan = Plan(model_by_name("gpt_125m"), cluster, Mesh(), 1, 2048)

@@ -50,7 +50,9 @@ class GradState(enum.Enum):
 
     NONE = "none"  # no gradient of it in this backward yet
     PENDING = "pending"  # handed to a reduce-scatter group, not yet in `.grad`
-    LANDED = "landed"  # in `.grad`; its post-accumulate-grad hooks run when backward ends
+    # in `.grad`, or handed to autograd to accumulate there (a block's gradient in a group of
+    # one, written before backward ends); its post-accumulate-grad hooks run when backward ends
+    LANDED = "landed"
 
 
 class ShardedWeight:

@@ -266,12 +266,16 @@ def bisect_host(raw: dict, key: str, predicted_ms, measured_ms: float, hi: float
     return lo
 
 
-def fit_fsdp2(raw: dict, measured_ms: float, source: str, mesh: Mesh) -> dict:
+def fit_fsdp2(
+    raw: dict, measured_ms: float, source: str, mesh: Mesh, host_slowdown: float = 0.0
+) -> dict:
     """FSDP2's host time per block and step, bisected to its 1.36B batch-1 eager step (it is
-    host-bound there; ../shared/GPU.md's ~2 ms per module group is where the search starts)."""
+    host-bound there; ../shared/GPU.md's ~2 ms per module group is where the search starts),
+    on a host `host_slowdown` times slower than the calibration's (0: the same)."""
 
     def predicted(cl) -> float:
-        return fsdp2(Plan(GPT_1P36B, cl, mesh, 1, 2048)).step * 1e3
+        plan = Plan(GPT_1P36B, cl, mesh, 1, 2048, host_slowdown=host_slowdown)
+        return fsdp2(plan).step * 1e3
 
     value = bisect_host(raw, "fsdp2_block_us", predicted, measured_ms, 20000.0)
     return src(value, f"{source}: 1.36B batch-1 fsdp2 step (fit)")
@@ -287,7 +291,8 @@ def fit_host_probed(raw: dict) -> None:
     """The host costs from one bench_step run that carries the host probe (PROBED[0]), with
     that probe: the eager floor's host time per layer (125M batch 1, host-bound), GTP's per
     use in a group of one (its eager 125M batch-1 step, fit), FSDP2's per block (its 1.36B
-    batch-1 step, fit), all on one host at one time."""
+    batch-1 step, fit), all on one host at one time; the last two each with its own probe
+    against the floor's, as `gtp-plan validate` predicts them."""
     where = f"results/{PROBED[0]}"
     floor = probed_row("125M", "floor")
     step_us = raw["host"]["step_us"]["value"]
@@ -301,14 +306,16 @@ def fit_host_probed(raw: dict) -> None:
     gtp = probed_row("125M", "gtp")
 
     def predicted(cl) -> float:
-        return predict(Plan(GPT_125M, cl, Mesh(), 1, 2048), "gtp").step * 1e3
+        slower = gtp["host_probe_ms"] / floor["host_probe_ms"]
+        return predict(Plan(GPT_125M, cl, Mesh(), 1, 2048, host_slowdown=slower), "gtp").step * 1e3
 
     raw["host"]["use_us_local"] = src(
         bisect_host(raw, "use_us_local", predicted, gtp["step_ms"], 2000.0),
         f"{where}: 125M batch-1 eager gtp step, world 1 (fit)",
     )
     fsdp = probed_row("1.36B", "fsdp2")
-    raw["host"]["fsdp2_block_us"] = fit_fsdp2(raw, fsdp["step_ms"], where, Mesh())
+    slower = fsdp["host_probe_ms"] / floor["host_probe_ms"]
+    raw["host"]["fsdp2_block_us"] = fit_fsdp2(raw, fsdp["step_ms"], where, Mesh(), slower)
 
 
 # (results file, world, [(model, batch, method)] or None for every row), calibration or not.
