@@ -90,6 +90,31 @@ class RoutedGPT(GPT):
         return self.head(self.norm(x))
 
 
+def block_sample_args(model: GPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a block of the wrapped reference GPT takes, for graph_region's sample_args: a
+    batch-2, 16-token activation in the compute dtype (bf16), and the RoPE tables."""
+    dtype = torch.bfloat16
+    x = torch.zeros(2, 16, CFG.d, device=model.cos.device, dtype=dtype, requires_grad=True)
+    cos, sin = (c[:16].to(dtype) for c in (model.cos, model.sin))
+    return x, cos, sin
+
+
+def train_eager(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int
+) -> list[float]:
+    """`steps` eager training steps on the reference batches; their losses."""
+    device = next(model.parameters()).device
+    losses = []
+    for i in range(steps):
+        x, y = batch_of(rank, i, device)
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def regions_run(
     rank: int, build: Callable[[], GPT], first_graphed: int | None, policy: dict = POLICY
 ) -> dict:
@@ -100,19 +125,9 @@ def regions_run(
     model = GTPWrap(build().to(device), policy)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if first_graphed is not None:
-        dtype = torch.bfloat16  # the compute dtype: what the blocks receive
-        x = torch.zeros(2, 16, CFG.d, device=device, dtype=dtype, requires_grad=True)
-        cos, sin = (c[:16].to(dtype) for c in (model.cos, model.sin))
         for block in model.blocks[first_graphed:]:
-            gtp_wrap.graph_region(model, block, (x, cos, sin))
-    losses = []
-    for i in range(STEPS):
-        x, y = batch_of(rank, i, device)
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+            gtp_wrap.graph_region(model, block, block_sample_args(model))
+    losses = train_eager(model, opt, rank, STEPS)
     full = {k: v.cpu() for k, v in gtp_wrap.full_state_dict(model).items()}
     return {"losses": losses, "state": full}
 

@@ -19,8 +19,10 @@ from graph_cases import (
     RoutedGPT,
     batch_of,
     bf16_gpt,
+    block_sample_args,
     fresh,
     regions_run,
+    train_eager,
     train_graphed,
 )
 from harness import cached_ranks, run_ranks
@@ -179,9 +181,6 @@ def _failed_capture(rank: int, world: int) -> dict:
     try:
         model, opt = fresh(device, capturable=False)
         block = model.blocks[-1]
-        dtype = torch.bfloat16
-        x = torch.zeros(2, 16, CFG.d, device=device, dtype=dtype, requires_grad=True)
-        cos, sin = (c[:16].to(dtype) for c in (model.cos, model.sin))
         calls = [0]
         forward = block.forward
 
@@ -193,7 +192,7 @@ def _failed_capture(rank: int, world: int) -> dict:
 
         block.forward = failing  # type: ignore[method-assign]
         try:
-            gtp_wrap.graph_region(model, block, (x, cos, sin), warmup=3)
+            gtp_wrap.graph_region(model, block, block_sample_args(model), warmup=3)
         except GraphCaptureError as error:
             out["raised"] = str(error)
         del block.forward  # the class's forward again
@@ -208,14 +207,7 @@ def _failed_capture(rank: int, world: int) -> dict:
         ]
         ref, ref_opt = fresh(device, capturable=False)
         for name, (m, o) in {"after": (model, opt), "reference": (ref, ref_opt)}.items():
-            losses = []
-            for i in range(3):
-                idx, y = batch_of(rank, i, device)
-                loss = F.cross_entropy(m(idx).float().flatten(0, 1), y.flatten())
-                loss.backward()
-                o.step()
-                o.zero_grad(set_to_none=True)
-                losses.append(loss.item())
+            losses = train_eager(m, o, rank, 3)
             out[name] = {"losses": losses, "state": gtp_wrap.full_state_dict(m)}
         out["block_weights"] = sorted(
             p.gtp_weight.index
@@ -251,30 +243,20 @@ def _region_on_gathered_block(rank: int, world: int) -> dict:
     device = torch.device("cuda", rank)
     out: dict = {}
     try:
-        dtype = torch.bfloat16
         results = {}
         for name in ("blocks", "region"):
             model, opt = fresh(device, capturable=False)
-            cos, sin = (c[:16].to(dtype) for c in (model.cos, model.sin))
+            x0, cos, sin = block_sample_args(model)
             gtp_wrap.gather_per_block(model)
             if name == "region":
-                x0 = torch.zeros(2, 16, CFG.d, device=device, dtype=dtype, requires_grad=True)
                 gtp_wrap.graph_region(model, model.blocks[-1], (x0, cos, sin))
             g = torch.Generator().manual_seed(7 + rank)
-            x = torch.randn(2, 16, CFG.d, generator=g).to(device, dtype).requires_grad_()
+            x = torch.randn(x0.shape, generator=g).to(device, x0.dtype).requires_grad_()
             alone = model.blocks[-1](x, cos, sin)  # outside the model's forward: eager
             alone.float().square().sum().backward()
             results[name] = {"alone": alone.detach().float().cpu(), "x_grad": x.grad.cpu()}
             opt.zero_grad(set_to_none=True)
-            losses = []
-            for i in range(3):
-                idx, y = batch_of(rank, i, device)
-                loss = F.cross_entropy(model(idx).float().flatten(0, 1), y.flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-            results[name]["losses"] = losses
+            results[name]["losses"] = train_eager(model, opt, rank, 3)
             if name == "region":  # the region's replay marks the model pass it ran in
                 results[name]["replayed"] = model.blocks[-1].forward.func._replayed_in is not None
         out.update(results)

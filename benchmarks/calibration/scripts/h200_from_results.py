@@ -210,29 +210,7 @@ def fit(raw: dict) -> dict:
         "results/bench_floor_graph_all.json: 125M batch-1 floor_graph, less "
         "the rates above, per layer",
     )
-    if PROBED:
-        fit_host_probed(raw)
-    else:
-        # Host: an eager floor at 125M batch 1 is host-bound; its host time per layer.
-        eager = next(
-            r
-            for r in rows_of("bench_fused_adamw.json")
-            if r["model"] == "125M" and r["method"] == "floor"
-        )["step_ms"]
-        step_us = raw["host"]["step_us"]["value"]
-        raw["host"]["layer_us"] = src(
-            (eager * 1e3 - step_us) / GPT_125M.layers,
-            "results/bench_fused_adamw.json: 125M batch-1 eager floor (host-bound), "
-            "less step_us, per layer",
-        )
-        fsdp2_1p36b = next(
-            r
-            for r in rows_of("bench_fused_adamw.json")
-            if r["model"] == "1.36B" and r["batch"] == 1 and r["method"] == "fsdp2"
-        )
-        raw["host"]["fsdp2_block_us"] = fit_fsdp2(
-            raw, fsdp2_1p36b["step_ms"], "results/bench_fused_adamw.json", Mesh(gtp=2)
-        )
+    fit_host_probed(raw)
     c.update(fit_decode())
     return raw
 
@@ -266,12 +244,10 @@ def bisect_host(raw: dict, key: str, predicted_ms, measured_ms: float, hi: float
     return lo
 
 
-def fit_fsdp2(
-    raw: dict, measured_ms: float, source: str, mesh: Mesh, host_slowdown: float = 0.0
-) -> dict:
+def fit_fsdp2(raw: dict, measured_ms: float, source: str, mesh: Mesh, host_slowdown: float) -> dict:
     """FSDP2's host time per block and step, bisected to its 1.36B batch-1 eager step (it is
     host-bound there; ../shared/GPU.md's ~2 ms per module group is where the search starts),
-    on a host `host_slowdown` times slower than the calibration's (0: the same)."""
+    on a host `host_slowdown` times slower than the calibration's."""
 
     def predicted(cl) -> float:
         plan = Plan(GPT_1P36B, cl, mesh, 1, 2048, host_slowdown=host_slowdown)
@@ -318,16 +294,25 @@ def fit_host_probed(raw: dict) -> None:
     raw["host"]["fsdp2_block_us"] = fit_fsdp2(raw, fsdp["step_ms"], where, Mesh(), slower)
 
 
-# (results file, world, [(model, batch, method)] or None for every row), calibration or not.
+# bench_step runs that carry the host probe (benchmarks/host_probe.py), the first one the host
+# calibration (fit_host_probed).
+PROBED = [
+    "host_probe_1203/bench_probe_1624.json",
+    "host_probe_1203/bench_probe_1637.json",
+    "host_probe_1203/bench_probe_1657.json",
+]
+PROBED_CALIBRATION = {("125M", 1, "floor"), ("125M", 1, "gtp"), ("1.36B", 1, "fsdp2")}
+NONE: set[tuple[str, int, str]] = set()
+# (results file, its rows as [(model, batch, method)] or "all", the rows the fits were made
+# on: the calibration set); every other row listed is held out.
 RUNS = [
-    ("profile_b1_grouped_floor.json", None, True),
-    ("bench_floor_graph_all.json", [("125M", 1, "floor_graph")], True),
-    ("bench_fused_adamw.json", [("125M", 1, "floor"), ("1.36B", 1, "fsdp2")], True),
-    ("bench_one_gpu_world1.json", "all", False),
+    ("bench_floor_graph_all.json", [("125M", 1, "floor_graph")], {("125M", 1, "floor_graph")}),
+    ("bench_fused_adamw.json", [("125M", 1, "floor"), ("1.36B", 1, "fsdp2")], NONE),
+    ("bench_one_gpu_world1.json", "all", NONE),
     (
         "bench_125m_b1_final_1202_1523.json",
         [("125M", 1, m) for m in ("floor", "floor_graph", "gtp", "gtp_graph")],
-        False,
+        NONE,
     ),
     (
         "bench_fused_adamw.json",
@@ -337,32 +322,20 @@ RUNS = [
             for m in ("floor", "fsdp2", "gtp", "gtp_graph")
             if (mo, m) not in (("125M", "floor"), ("1.36B", "fsdp2")) or b != 1
         ],
-        False,
+        NONE,
     ),
-    ("bench_fused_adamw_reversed.json", "all", False),
-    ("bench_copy_engine_base.json", "all", False),
-    ("bench_floor_graph_all.json", [("1.36B", b, "floor_graph") for b in (1, 4, 8)], False),
+    ("bench_fused_adamw_reversed.json", "all", NONE),
+    ("bench_copy_engine_base.json", "all", NONE),
+    ("bench_floor_graph_all.json", [("1.36B", b, "floor_graph") for b in (1, 4, 8)], NONE),
+    (PROBED[0], "all", PROBED_CALIBRATION),
+    *((name, "all", NONE) for name in PROBED[1:]),
 ]
 MODEL_NAMES = {"1.36B": "gpt_1p36b", "125M": "gpt_125m"}
-# bench_step runs that carry the host probe (benchmarks/host_probe.py), the first one the host
-# calibration (fit_host_probed); the rest of its rows, and every row of the others, held out.
-PROBED: list[str] = [
-    "host_probe_1203/bench_probe_1624.json",
-    "host_probe_1203/bench_probe_1637.json",
-    "host_probe_1203/bench_probe_1657.json",
-]
-PROBED_CALIBRATION = {("125M", 1, "floor"), ("125M", 1, "gtp"), ("1.36B", 1, "fsdp2")}
 
 
 def runs() -> list[dict]:
     out = []
-    runs = list(RUNS)
-    if PROBED:  # the host is calibrated on a probed run instead
-        runs = [(n, w, c and n != "bench_fused_adamw.json") for n, w, c in runs]
-        runs += [(n, "all", None) for n in PROBED]
-    for name, which, calibration in runs:
-        if which is None:
-            continue  # a profile: used by the fit above, not a step run
+    for name, which, calibration in RUNS:
         data = load(name)
         world = data["meta"]["world"]
         for r in data["rows"]:
@@ -371,9 +344,6 @@ def runs() -> list[dict]:
                 continue
             if r["method"] not in ("floor", "floor_graph", "gtp", "gtp_graph", "fsdp2"):
                 continue
-            fitted = calibration
-            if fitted is None:  # a probed run: the host's calibration rows, in its first
-                fitted = name == PROBED[0] and key in PROBED_CALIBRATION
             out.append(
                 {
                     "model": MODEL_NAMES[r["model"]],
@@ -384,7 +354,7 @@ def runs() -> list[dict]:
                     "measured_ms": round(r["step_ms"], 2),
                     **({"host_probe_ms": r["host_probe_ms"]} if "host_probe_ms" in r else {}),
                     "source": f"results/{name}",
-                    "calibration": fitted,
+                    "calibration": key in calibration,
                 }
             )
     return out
