@@ -11,6 +11,10 @@ length and seed, with AdamW (foreach, or fused with --fused-adamw):
   floor without host overhead, the reference for gtp_graph (at batch 1 the eager floor's step
   time moves with the host's speed);
 - ddp: fp32 parameters, bf16 autocast, DistributedDataParallel;
+- amp, amp_compile: the model as plain PyTorch trains it in mixed precision on one GPU, no GTP,
+  no DDP: fp32 parameters, bf16 autocast, AdamW over its parameters (amp_compile: every block
+  compiled). Unlike the floor, it keeps fp32 masters and steps one tensor per parameter, as GTP
+  does: GTP's cost over it is the engine's alone;
 - fsdp2: fully_shard on every block and the root, bf16 param_dtype, fp32 reduce_dtype;
 - gtp: GTPWrap with the default policy, bf16 gathers (param_dtype), fp32 reductions;
 - gtp_fp8: the same with FP8 gathers (gather_dtype: fp8);
@@ -72,7 +76,8 @@ MODELS = {
 MOE_RULES = [{"match": "*.experts.*", "dim": 1}, {"match": "Linear"}, {"match": "Embedding"}]
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
 METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph", "floor_graph",
-           "floor_compile", "fsdp2_compile", "gtp_compile", "gtp_blocks")  # fmt: skip
+           "floor_compile", "fsdp2_compile", "gtp_compile", "gtp_blocks", "amp",
+           "amp_compile")  # fmt: skip
 
 
 def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -100,6 +105,11 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         shard.grad = torch.zeros_like(shard)
         return model, _adamw([shard], fused_adamw, method == "floor_graph"), None
     model = _model(cfg, device, torch.float32)
+    if method.startswith("amp"):
+        if method == "amp_compile":
+            for block in model.blocks:
+                block.compile()
+        return model, _adamw(model.parameters(), fused_adamw), torch.bfloat16
     if method == "ddp":
         model = DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None
@@ -297,10 +307,11 @@ def run(device: torch.device, args: argparse.Namespace) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """One line per result; GTP rows add their ratios to the floors and to FSDP2 of the same
-    model and batch (gfloor: the graphed floor). gtp_compile is compared with the compiled
-    floor and compiled FSDP2 where they ran."""
-    refs = {"GTP/floor": "floor", "GTP/gfloor": "floor_graph", "GTP/FSDP2": "fsdp2"}
+    """One line per result; GTP rows add their ratios to the floors, to FSDP2 and to plain
+    mixed precision (amp) of the same model and batch (gfloor: the graphed floor).
+    gtp_compile is compared with the compiled floor, FSDP2 and amp where they ran."""
+    refs = {"GTP/floor": "floor", "GTP/gfloor": "floor_graph", "GTP/FSDP2": "fsdp2",
+            "GTP/AMP": "amp"}  # fmt: skip
     lines = [
         f"{'model':>6} {'batch':>5} {'method':>12} {'step ms':>9} {'tok/s/GPU':>10} {'MFU':>6} "
         f"{'peak GiB':>9} " + " ".join(f"{name:>10}" for name in refs)

@@ -127,16 +127,17 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     cfg = MODELS[args.model]
     base = load_baseline(args.baseline) if args.baseline else None
     timers = Timers([gtp_wrap] if base is None else [gtp_wrap, base])
-    built = {m: _build(m, cfg, device, 1, {}, args.fused_adamw)[:2] for m in args.methods}
+    # (model, optimizer, autocast dtype or None) per method
+    built = {m: _build(m, cfg, device, 1, {}, args.fused_adamw) for m in args.methods}
     if base is not None:
         for m in [m for m in args.methods if m.startswith("gtp")]:
-            built[f"{m}@base"] = _build(m, cfg, device, 1, {}, args.fused_adamw, base)[:2]
+            built[f"{m}@base"] = _build(m, cfg, device, 1, {}, args.fused_adamw, base)
     idx = batch_of(cfg, args.batch, args.seq, device)
     x, y = idx[:, :-1], idx[:, 1:]
     best: dict[str, dict[str, float]] = {m: {} for m in built}
     calls: dict[str, dict[str, int]] = {}
     for _ in range(args.rounds):
-        for method, (model, optim) in built.items():
+        for method, (model, optim, autocast) in built.items():
             per: dict[str, list[float]] = collections.defaultdict(list)
             timers.calls.clear()
             for step in range(args.warmup + args.steps):
@@ -145,7 +146,8 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                 before = dict(timers.seconds)
                 _sync(device)
                 t0 = time.perf_counter()
-                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+                with torch.autocast(device.type, autocast, enabled=autocast is not None):
+                    loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
                 t1 = time.perf_counter()
                 loss.backward()
                 t2 = time.perf_counter()
@@ -168,7 +170,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                 best[method][key] = min(best[method].get(key, median), median)
     # The package whose engine each gtp method ran on.
     packages = {m: type(model._gtp_engine).__module__.split(".")[0]
-                for m, (model, _) in built.items() if m.startswith("gtp")}  # fmt: skip
+                for m, (model, _, _) in built.items() if m.startswith("gtp")}  # fmt: skip
     return {"ms": {m: {k: 1e3 * v for k, v in b.items()} for m, b in best.items()},
             "calls_per_step": calls, "packages": packages}  # fmt: skip
 

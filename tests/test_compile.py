@@ -6,6 +6,7 @@ engine's chain: the same gathers, prefetched, and weights re-gathered in backwar
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import pathlib
@@ -16,6 +17,7 @@ import pytest
 import torch
 from harness import cached_ranks, caught, local_rows, run_ranks
 from models import TinyGPT, tiny_llama_config
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 import gtp_wrap
@@ -445,6 +447,46 @@ def test_a_blocks_gradients_in_a_group_of_one_accumulate_through_autograd() -> N
         rtol=1e-2,
         atol=1e-4,
     )
+
+
+class _Casts(TorchDispatchMode):
+    """Counts the multi-tensor copies and the bf16 -> fp32 casts (by input shape) it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.foreach_copies = 0
+        self.upcasts: collections.Counter[tuple[int, ...]] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._foreach_copy_.default:
+            self.foreach_copies += 1
+        elif func is torch.ops.aten._to_copy.default and (args[0].dtype, out.dtype) == (
+            torch.bfloat16,
+            torch.float32,
+        ):
+            self.upcasts[tuple(args[0].shape)] += 1
+        return out
+
+
+def test_a_blocks_gradients_are_cast_by_one_multi_tensor_copy() -> None:
+    """bf16 over fp32 masters in a group of one: a backward casts each block's weight
+    gradients (sharded and replicated) to fp32 with one multi-tensor copy per block call, none
+    on its own (see [Note: a block's gradients are cast together]); only the parameters
+    outside blocks that share a block weight's shape (the final norm) may be cast alone."""
+    torch.manual_seed(0)
+    model = GTPWrap(_gpt(), {**POLICY, "param_dtype": "bfloat16", "reduce_dtype": "float32"})
+    gtp_wrap.gather_per_block(model)
+    with torch._C.DisableTorchFunctionSubclass():  # the shards' shapes: the full weights'
+        named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    shapes = {shape for n, shape in named if n.startswith("blocks.")}
+    outside = sum(not n.startswith("blocks.") and shape in shapes for n, shape in named)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = _loss(model, ids)
+    with _Casts() as seen:
+        loss.backward()
+    assert seen.foreach_copies == len(model.blocks) == 3
+    assert sum(seen.upcasts[s] for s in shapes) <= outside == 1, seen.upcasts
 
 
 class _TiedOutside(torch.nn.Module):

@@ -46,13 +46,25 @@ class BlockMembers:
     weights: tuple[ShardedWeight | CastWeight, ...]
     sharded: tuple[ShardedWeight, ...]  # what a call gathers again in backward, in order
     position: dict[int, int]  # a sharded weight's index -> its place in `sharded`
+    # Each parameter's own dtype, which autograd accumulates its gradient in.
+    grad_dtypes: tuple[torch.dtype, ...]
+    # What each use reads when no weight needs a gather (groups of one): the local copies,
+    # fixed at wrap; else None.
+    locals: tuple[torch.Tensor, ...] | None
+    tp: bool  # whether any is a tensor-parallel weight, used as its DTensor
 
     @classmethod
     def of(cls, params: list[GTPParameter]) -> BlockMembers:
         weights = tuple(p.gtp_weight for p in params)
         sharded = tuple(w for w in weights if isinstance(w, ShardedWeight))
         position = {w.index: i for i, w in enumerate(sharded)}
-        return cls(tuple(params), weights, sharded, position)
+        with torch._C.DisableTorchFunctionSubclass():  # the shard's dtype, not the use's
+            grad_dtypes = tuple(p.dtype for p in params)
+        local = all(w.axis.size == 1 for w in sharded)
+        locals_ = tuple(w.local if isinstance(w, ShardedWeight) else w.cast for w in weights)
+        tp = any(w.tp is not None for w in weights)
+        return cls(tuple(params), weights, sharded, position, grad_dtypes,
+                   locals_ if local else None, tp)  # fmt: skip
 
 
 @dataclasses.dataclass

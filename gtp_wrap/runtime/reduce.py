@@ -156,19 +156,19 @@ class GradReducer(Part):
 
         [Note: a block's gradients in a group of one] A gradient with no peer to reduce with (a
         group of one, no dp) is its shard's gradient as it is, cast to the shard's dtype. The
-        block's autograd node returns those gradients for its parameters, and autograd casts
-        each to its parameter's dtype and accumulates it into `.grad` (taking the cast itself
-        when there is none yet), in C++: no Python work per weight but this bookkeeping, where
-        a landing of our own cost an allocation, a split, a view per weight, a multi-tensor
-        copy and a `.grad` write per weight (118 µs of Python per block call in a backward on
-        an H200 host, `benchmarks/RESULTS.md`). The values are `_land_unreduced`'s (the same
-        cast, with a reduce dtype that rounding to first changes nothing for) for a weight used
-        once in the backward. A weight used several times has its fp32 gradients summed as
-        plain torch sums them: autograd adds the uses that reach the parameter before
-        accumulating, and a use outside blocks lands through the reducer, so the order of the
-        additions (and the last bits of the sum) can differ from the reducer's one-by-one
-        landing. Autograd runs no hook of ours early: users' hooks on sharded parameters are
-        the reducer's (see [Note: hooks on shards]), run when backward ends."""
+        block's autograd node returns those gradients for its parameters, cast to their dtype
+        together (see [Note: a block's gradients are cast together], runtime/uses.py), and autograd
+        accumulates each into `.grad` (taking it as it is when there is none yet), in C++: no Python
+        work per weight but this bookkeeping, where a landing of our own cost a split, a view and a
+        `.grad` write per weight (118 µs of Python per block call in a backward on an H200 host,
+        `benchmarks/RESULTS.md`). The values are `_land_unreduced`'s (the same cast, with a reduce
+        dtype that rounding to first changes nothing for) for a weight used once in the backward. A
+        weight used several times has its fp32 gradients summed as plain torch sums them: autograd
+        adds the uses that reach the parameter before accumulating, and a use outside blocks lands
+        through the reducer, so the order of the additions (and the last bits of the sum) can differ
+        from the reducer's one-by-one landing. Autograd runs no hook of ours early: users' hooks on
+        sharded parameters are the reducer's (see [Note: hooks on shards]), run when backward
+        ends."""
         if accumulated:
             self.ensure_backward()
             for w, g in accumulated:

@@ -197,8 +197,10 @@ class Uses:
                 call = BlockCall(members)
             weights = list(_block_weights(self, members, *members.params))
         outer, self.gatherer.block_call = self.gatherer.block_call, call
+        if members.tp:
+            weights = [_as_used(w, t) for w, t in zip(members.weights, weights)]
         try:
-            yield [_as_used(w, t) for w, t in zip(members.weights, weights)]
+            yield weights
         finally:
             self.gatherer.block_call = outer
 
@@ -284,7 +286,8 @@ class BlockWeights(torch.autograd.Function):
     backward hands the gradient of each sharded weight this backward asks for to the
     reduce-scatter, or, with no peer to reduce with, returns it for autograd to accumulate (see
     [Note: a block's gradients in a group of one], runtime/reduce.py), and returns each
-    replicated one's as it came: autograd casts a gradient to its input's dtype itself.
+    replicated one's, each cast to its parameter's dtype (see [Note: a block's gradients are
+    cast together]).
 
     [Note: unused weights of a block] Every rank gathers every weight of a block, whatever the
     block then uses, so a rank's forward cannot show that its ranks took different branches
@@ -293,13 +296,24 @@ class BlockWeights(torch.autograd.Function):
     gradient, which is its true gradient on this rank. So after a backward that reaches the
     block, each of its weights has a `.grad`, zero where no rank used it (DDP's buckets do the
     same).
+
+    [Note: a block's gradients are cast together] The gradients this node returns to autograd
+    (replicated weights', and sharded ones' in a group of one) come out of the block in the compute
+    dtype, and autograd would cast each to its parameter's dtype on its own: an allocation and a
+    copy kernel per weight, whose host cost (about 30 µs each under the profiler on an H200 host, 84
+    a step at 125M: `benchmarks/RESULTS.md`) was the largest part of what a compiled step spent
+    beyond the floor's. They are cast here instead, by one multi-tensor copy per block call into
+    tensors of their parameters' dtypes and layouts, so autograd finds nothing to cast and takes
+    each as `.grad` (or adds it) as before: the same values, one kernel. A differentiable backward
+    (create_graph) leaves the casts to autograd, which records them.
     """
 
     @staticmethod
     def forward(ctx, uses: Uses, members: BlockMembers, *params: GTPParameter):  # type: ignore[override]
-        ctx.uses, ctx.weights = uses, members.weights
+        ctx.uses, ctx.members = uses, members
         ctx.set_materialize_grads(False)  # unused weights: zeros made only where needed
-        out = [uses._weight_of(w) for w in ctx.weights]
+        local = members.locals
+        out = [uses._weight_of(w) for w in members.weights] if local is None else local
         out = [t.view_as(t) for t in out]  # outputs of this node, not the buffers themselves
         unfrozen = ctx.needs_input_grad[2:]  # which parameters require grad
         if not all(unfrozen):
@@ -309,27 +323,40 @@ class BlockWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
         uses: Uses = ctx.uses
+        members: BlockMembers = ctx.members
         runtime = uses.runtime
         out: list[torch.Tensor | None] = [None, None]  # for `uses` and `members`
         runs = _will_run_all(ctx, first=2)
         # A differentiable backward (create_graph) hands every sharded one to the reducer.
-        accumulates = () if torch.is_grad_enabled() else runtime.accumulated
+        differentiable = torch.is_grad_enabled()
+        accumulates = () if differentiable else runtime.accumulated
         sharded: list[tuple[ShardedWeight, torch.Tensor]] = []
         accumulated: list[tuple[ShardedWeight, torch.Tensor]] = []
-        for w, grad, run in zip(ctx.weights, grads, runs):
-            if run is False or type(w) is not ShardedWeight:
-                out.append(None if run is False else grad)
-                continue
-            if grad is None:  # see [Note: unused weights of a block]
-                grad = uses.zeros_like_use(w)
-            # `run` is None under autograd.grad(), which returns a gradient, never accumulates
-            # it: the reducer writes `.grad` then, as for every use (a graphed region's capture)
-            if run and w.index in accumulates and w.region is None:
-                accumulated.append((w, grad))  # see [Note: a block's gradients in a group of one]
-                out.append(grad)
-            else:
-                sharded.append((w, grad))
+        # Gradients autograd would cast one by one: (place in `out`, gradient, dtype).
+        casts: list[tuple[int, torch.Tensor, torch.dtype]] = []
+        for w, grad, run, dtype in zip(members.weights, grads, runs, members.grad_dtypes):
+            if run is False:
                 out.append(None)
+                continue
+            if type(w) is ShardedWeight:
+                if grad is None:  # see [Note: unused weights of a block]
+                    grad = uses.zeros_like_use(w)
+                # `run` is None under autograd.grad(), which returns a gradient, never
+                # accumulates it: the reducer writes `.grad` then, as for every use (a graphed
+                # region's capture).
+                if not (run and w.index in accumulates and w.region is None):
+                    sharded.append((w, grad))
+                    out.append(None)
+                    continue
+                accumulated.append((w, grad))  # [Note: a block's gradients in a group of one]
+            if grad is not None and grad.dtype != dtype:
+                casts.append((len(out), grad, dtype))
+            out.append(grad)
+        if len(casts) > 1 and not differentiable:  # [Note: a block's gradients are cast together]
+            cast = [torch.empty_like(grad, dtype=dtype) for _, grad, dtype in casts]
+            torch._foreach_copy_(cast, [grad for _, grad, _ in casts])
+            for (i, _, _), c in zip(casts, cast):
+                out[i] = c
         runtime.reduce_grads(sharded, accumulated)
         return tuple(out)
 
