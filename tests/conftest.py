@@ -1,2 +1,2 @@
-"""pytest wiring: tests import what they share from harness.py (spawned ranks, caching,
+"""pytest wiring: tests import what they share from harness.py (started ranks, caching,
 meshes, references)."""

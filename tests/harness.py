@@ -1,6 +1,6 @@
 """The one way tests start ranks, catch per-case errors, cache results and build meshes.
 
-`run_ranks(fn, world)` runs `fn(rank, world, *args)` on `world` spawned processes joined in one
+`run_ranks(fn, world)` runs `fn(rank, world, *args)` on `world` new processes joined in one
 gloo group (NCCL with `backend="nccl"`, one GPU per rank), rendezvousing through a FileStore in
 a temp dir so parallel tests never fight over ports, and returns each rank's return value. A
 rank that raises fails the test with its traceback; ranks still running at the deadline are

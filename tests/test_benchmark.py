@@ -19,20 +19,20 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
         str(ROOT / "benchmarks/bench_step.py"),
         "--smoke",
         "--methods",
-        *["floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm"],
+        *["floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "amp"],
         "--out",
         str(tmp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    methods = ["floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm"]
+    methods = ["floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "amp"]
     assert [r["method"] for r in rows] == methods
     assert all(r["step_ms"] > 0 for r in rows)
     assert all(r["host_probe_ms"] > 0 for r in rows)  # the host's speed beside each method
-    assert all(r["blocking_by_pass"] == {"forward": 2, "backward": 2} for r in rows[3:])
+    assert all(r["blocking_by_pass"] == {"forward": 2, "backward": 2} for r in rows[3:6])
     assert (tmp_path / "bench.png").stat().st_size > 5_000
-    assert "GTP/FSDP2" in proc.stdout
+    assert "GTP/FSDP2" in proc.stdout and "GTP/AMP" in proc.stdout
 
 
 def _benchmark_module(name: str):
@@ -140,12 +140,12 @@ def test_step_phases_times_each_phase_and_the_engines_functions(tmp_path: Path) 
     this tree and on a baseline tree imported beside it (here this one again)."""
     out = tmp_path / "phases.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/step_phases.py"), "--rounds", "1",
-           "--warmup", "2", "--steps", "3", "--methods", "floor", "gtp_blocks", "--fused-adamw",
-           "--baseline", str(ROOT), "--out", str(out)]  # fmt: skip
+           "--warmup", "2", "--steps", "3", "--methods", "floor", "amp", "gtp_blocks",
+           "--fused-adamw", "--baseline", str(ROOT), "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert list(result["ms"]) == ["floor", "gtp_blocks", "gtp_blocks@base"]
+    assert list(result["ms"]) == ["floor", "amp", "gtp_blocks", "gtp_blocks@base"]
     # Each gtp method ran on its own tree's engine.
     assert result["packages"]["gtp_blocks"] == "gtp_wrap"
     assert result["packages"]["gtp_blocks@base"] == "gtp_wrap_baseline"
@@ -154,7 +154,7 @@ def test_step_phases_times_each_phase_and_the_engines_functions(tmp_path: Path) 
         phases = sum(ms[p] for p in ("forward", "backward", "optimizer", "zero_grad"))
         assert 0 < phases <= ms["step"] * 1.5  # medians of parts: near the step's median
     calls = result["calls_per_step"]
-    assert calls["floor"] == {}
+    assert calls["floor"] == calls["amp"] == {}
     for method in ("gtp_blocks", "gtp_blocks@base"):
         assert calls[method]["BlockWeights.forward"] == 12
         assert calls[method]["BlockWeights.backward"] == 12
