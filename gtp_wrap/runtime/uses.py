@@ -303,9 +303,9 @@ class BlockWeights(torch.autograd.Function):
     copy kernel per weight, whose host cost (about 30 µs each under the profiler on an H200 host, 84
     a step at 125M: `benchmarks/RESULTS.md`) was the largest part of what a compiled step spent
     beyond the floor's. They are cast here instead, by one multi-tensor copy per block call into
-    tensors of their parameters' dtypes and layouts, so autograd finds nothing to cast and takes
-    each as `.grad` (or adds it) as before: the same values, one kernel. A differentiable backward
-    (create_graph) leaves the casts to autograd, which records them.
+    tensors of their parameters' dtypes (and their own layouts), so autograd finds nothing to cast
+    and takes each as `.grad` (or adds it) as before: the same values, one kernel. A differentiable
+    backward (create_graph) leaves the casts to autograd, which records them.
     """
 
     @staticmethod
