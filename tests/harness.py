@@ -57,9 +57,9 @@ def _entry(
         dist.destroy_process_group()
 
 
-# [Note: ranks from a fork server] Every rank is a fresh interpreter (no state of the test
-# process leaks into it, as with "spawn"), but forked from one server process per test process
-# that has imported torch, gtp_wrap and this module once: a spawned rank spent about 2 s of CPU
+# [Note: ranks from a fork server] Every rank is a new process with none of the test process's
+# state (as with "spawn"), but forked from one server process per test process that has
+# imported torch, gtp_wrap and this module once: a spawned rank spent about 2 s of CPU
 # importing them, a large share of the suite's time on CI's two cores. The server imports
 # nothing that starts threads or touches CUDA, so forking from it is safe. Ranks inherit the
 # server's environment, fixed when the first test started ranks: a variable a test sets for its
