@@ -86,6 +86,12 @@ def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
         return GPT(cfg).to(dtype)
 
 
+def _compile_blocks(model: GPT) -> None:
+    """Each block compiled on its own, the rest eager (as torchtitan compiles)."""
+    for block in model.blocks:
+        block.compile()
+
+
 def _adamw(params: Any, fused: bool, capturable: bool = False) -> torch.optim.AdamW:
     """Every method's optimizer: foreach kernels (torch's default) or one fused kernel."""
     return torch.optim.AdamW(params, lr=1e-4, fused=fused or None, capturable=capturable)
@@ -99,16 +105,14 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
     if method.startswith("floor"):
         model = _model(cfg, device, torch.bfloat16)
         if method == "floor_compile":
-            for block in model.blocks:
-                block.compile()
+            _compile_blocks(model)
         shard = torch.zeros(math.ceil(cfg.n_params / world), device=device, requires_grad=True)
         shard.grad = torch.zeros_like(shard)
         return model, _adamw([shard], fused_adamw, method == "floor_graph"), None
     model = _model(cfg, device, torch.float32)
     if method.startswith("amp"):
         if method == "amp_compile":
-            for block in model.blocks:
-                block.compile()
+            _compile_blocks(model)
         return model, _adamw(model.parameters(), fused_adamw), torch.bfloat16
     if method == "ddp":
         model = DistributedDataParallel(
