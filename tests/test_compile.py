@@ -455,12 +455,14 @@ class _Casts(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.foreach_copies = 0
+        self.copied: set[int] = set()  # where the multi-tensor copies wrote
         self.upcasts: collections.Counter[tuple[int, ...]] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._foreach_copy_.default:
             self.foreach_copies += 1
+            self.copied.update(t.data_ptr() for t in args[0])
         elif func is torch.ops.aten._to_copy.default and (args[0].dtype, out.dtype) == (
             torch.bfloat16,
             torch.float32,
@@ -472,7 +474,8 @@ class _Casts(TorchDispatchMode):
 def test_a_blocks_gradients_are_cast_by_one_multi_tensor_copy() -> None:
     """bf16 over fp32 masters in a group of one: a backward casts each block's weight
     gradients (sharded and replicated) to fp32 with one multi-tensor copy per block call, none
-    on its own (see [Note: a block's gradients are cast together]); only the parameters
+    on its own (see [Note: a block's gradients are cast together]), into one buffer per block
+    that autograd then takes as the `.grad`s, with no copy of its own; only the parameters
     outside blocks that share a block weight's shape (the final norm) may be cast alone."""
     torch.manual_seed(0)
     model = GTPWrap(_gpt(), {**POLICY, "param_dtype": "bfloat16", "reduce_dtype": "float32"})
@@ -487,6 +490,10 @@ def test_a_blocks_gradients_are_cast_by_one_multi_tensor_copy() -> None:
         loss.backward()
     assert seen.foreach_copies == len(model.blocks) == 3
     assert sum(seen.upcasts[s] for s in shapes) <= outside == 1, seen.upcasts
+    with torch._C.DisableTorchFunctionSubclass():
+        grads = [p.grad for n, p in model.named_parameters() if n.startswith("blocks.")]
+    assert all(g is not None and g.data_ptr() in seen.copied for g in grads)
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(model.blocks)
 
 
 class _TiedOutside(torch.nn.Module):

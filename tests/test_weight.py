@@ -29,8 +29,22 @@ def test_a_weight_used_twice_lands_once_its_last_gradient_landed() -> None:
     assert w.grad_state is GradState.PENDING  # one of its two gradients is still reducing
     w.grad_landed()
     assert w.grad_state is GradState.LANDED
-    w.backward_ended()
+    ShardedWeight.backward_ended([w])
     assert w.grad_state is GradState.NONE
+
+
+def test_a_gradient_landed_at_once_waits_for_one_still_pending() -> None:
+    w = _weight()
+    w.grad_collected()  # one use's gradient in a reduce-scatter group
+    w.grad_landed_at_once()  # another's landed with no collective (a block's, a group of one)
+    assert w.grad_state is GradState.PENDING
+    w.grad_landed()
+    assert w.grad_state is GradState.LANDED
+    w.grad_landed_at_once()
+    assert w.grad_state is GradState.LANDED
+    ShardedWeight.backward_ended([w])
+    w.grad_landed_at_once()  # the first gradient of the next backward
+    assert w.grad_state is GradState.LANDED
 
 
 def test_transitions_out_of_order_raise() -> None:
@@ -39,7 +53,7 @@ def test_transitions_out_of_order_raise() -> None:
         w.grad_landed()
     w.grad_collected()
     with pytest.raises(RuntimeError, match="still pending"):
-        w.backward_ended()
+        ShardedWeight.backward_ended([w])
     with pytest.raises(RuntimeError, match="still pending"):
         w.region_grad_landed()
     w.abandon_grads()

@@ -85,7 +85,9 @@ class GTPParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         if not OpenPasses.count and _graph_task_id() == -1:  # optimizer steps, state dicts
             if func in _GRAD_GET:  # torch's clip reads grads outside passes: never on a use
-                _refuse_per_rank_clip(args[0])
+                weight = args[0].gtp_weight  # checked here: zero_grad reads every `.grad`
+                if type(weight) is ShardedWeight and weight.axis.size > 1:
+                    _refuse_per_rank_clip(weight)
             elif func in _MODULE_COMPUTE:
                 _refuse_compute_on_shards(func, args, kwargs)
             return _plain(func, types, args, kwargs or _NO_KWARGS)
@@ -138,16 +140,13 @@ class GTPParameter(nn.Parameter):
         return super().register_post_accumulate_grad_hook(on_the_parameter)
 
 
-def _refuse_per_rank_clip(param: GTPParameter) -> None:
+def _refuse_per_rank_clip(weight: ShardedWeight) -> None:
     """[Note: torch's clip on shards] `torch.nn.utils.clip_grad_norm_(model.parameters())`
     would compute each rank's norm of its own rows of every sharded gradient, so ranks would
     clip by different factors, silently. FSDP2 avoids it with DTensor gradients, whose norm
     reduces across ranks; a shard's `.grad` here is a plain tensor of the shard's shape (what
     any optimizer needs), so the mistake is refused where torch's function reads the gradient
     of a weight sharded over more than one rank."""
-    weight = param.gtp_weight
-    if type(weight) is not ShardedWeight or weight.axis.size == 1:
-        return
     frame: types.FrameType | None = sys._getframe(2)  # torch's comprehension, or its caller
     for _ in range(3):
         if frame is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -123,17 +123,26 @@ class ShardedWeight:
         if self.pending_grads == 0:
             self.grad_state = GradState.LANDED
 
+    def grad_landed_at_once(self) -> None:
+        """A gradient landed as it was collected (no collective to wait for): the weight is
+        landed, unless another of its gradients is still pending."""
+        if self.pending_grads == 0:
+            self.grad_state = GradState.LANDED
+
     def region_grad_landed(self) -> None:
         """A graphed region's replay wrote this weight's `.grad` (no Python ran for it)."""
         if self.grad_state is GradState.PENDING:
             raise RuntimeError(f"{self!r}: a region replay landed a gradient still pending")
         self.grad_state = GradState.LANDED
 
-    def backward_ended(self) -> None:
-        """The backward is over: the next one starts with no gradient of this weight."""
-        if self.grad_state is GradState.PENDING:
-            raise RuntimeError(f"{self!r}: backward ended with its gradient still pending")
-        self.grad_state = GradState.NONE
+    @staticmethod
+    def backward_ended(weights: Iterable[ShardedWeight]) -> None:
+        """The backward is over: the next one starts with no gradient of these weights (those
+        it landed, all at once: one call per backward, not per weight)."""
+        for w in weights:
+            if w.grad_state is GradState.PENDING:
+                raise RuntimeError(f"{w!r}: backward ended with its gradient still pending")
+            w.grad_state = GradState.NONE
 
     def abandon_grads(self) -> None:
         """The backward raised: its pending gradients will never land."""
@@ -162,7 +171,8 @@ class ShardedWeight:
 
 class CastWeight:
     """A replicated floating-point parameter that passes read through its compute-dtype copy,
-    re-cast when the parameter changed (its version counter moved, or an optimizer stepped)."""
+    re-cast when the parameter changed (its version counter moved past `cast_version`, or an
+    optimizer stepped): the engine's casts re-cast every stale copy together (runtime/casts.py)."""
 
     __slots__ = ("fqn", "param", "cast", "cast_version", "meta", "runtime", "tp", "aliased")
 
@@ -177,11 +187,6 @@ class CastWeight:
         self.cast_version = -1  # stale: cast before the first pass
         self.meta = torch.empty(like.shape, dtype=dtype, device="meta")
         self.tp: TPLayout | None = None  # as ShardedWeight.tp
-
-    def stale(self) -> bool:
-        """Whether the copy must be re-cast: the parameter changed since it was made (the
-        engine's casts re-cast every stale copy together, runtime/casts.py)."""
-        return self.cast_version != self.param._version and not self.aliased
 
 
 def describe_group(weights: list[ShardedWeight], action: str, one: str, context: str) -> str:

@@ -21,7 +21,6 @@ that opens a pass when it is called on its own.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
@@ -37,12 +36,12 @@ from .gather import BlockMembers
 class BlockRuntime(Protocol):
     """What a block on gathered weights asks of its engine."""
 
-    def gathered(
-        self, members: BlockMembers
-    ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+    def begin_block(self, members: BlockMembers) -> tuple[list[torch.Tensor], Any]:
         """The weights one use of each member sees, as in an intercepted use, for the time of
-        the block's forward."""
+        the block's forward; and what `end_block` takes to close it."""
         ...
+
+    def end_block(self, outer: Any) -> None: ...
 
 
 class BlockOwner(Protocol):
@@ -89,33 +88,34 @@ class GatheredBlock:
         return self.owner.call_owned(self.block, self._gathered, args, kwargs)
 
     def _gathered(self, *args: Any, **kwargs: Any) -> Any:
-        with self.runtime.gathered(self.members) as weights:
-            return self._run(weights, args, kwargs)
-
-    def _run(self, weights: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
-        for slot, name, which in self.slots:
-            slot[name] = weights[which]
-        versions = [w._version for w in weights]
+        weights, outer = self.runtime.begin_block(self.members)
         try:
-            out = self.forward(self.block, *args, **kwargs)
-        except Exception as error:
-            if type(error).__name__ != "InternalTorchDynamoError":
-                raise
-            # Dynamo fails inside when it meets a managed parameter: one the block reads from
-            # a module outside it, so it was not swapped in.
-            raise WrapError(
-                f"torch.compile failed inside block '{self.name}' ({error}). Where the block "
-                "reads a sharded weight that a module outside it holds, Dynamo cannot trace it "
-                "(only the block's own weights are gathered before it runs): compile a block "
-                "that holds every weight it reads, or leave this one eager"
-            ) from error
-        finally:
             for slot, name, which in self.slots:
-                slot[name] = self.members.params[which]
-        for w, version, member in zip(weights, versions, self.members.weights):
-            if w._version != version:
-                _refuse_write(self.name, member)
-        return out
+                slot[name] = weights[which]
+            versions = [w._version for w in weights]
+            try:
+                out = self.forward(self.block, *args, **kwargs)
+            except Exception as error:
+                if type(error).__name__ != "InternalTorchDynamoError":
+                    raise
+                # Dynamo fails inside when it meets a managed parameter: one the block reads
+                # from a module outside it, so it was not swapped in.
+                raise WrapError(
+                    f"torch.compile failed inside block '{self.name}' ({error}). Where the "
+                    "block reads a sharded weight that a module outside it holds, Dynamo "
+                    "cannot trace it (only the block's own weights are gathered before it "
+                    "runs): compile a block that holds every weight it reads, or leave this "
+                    "one eager"
+                ) from error
+            finally:
+                for slot, name, which in self.slots:
+                    slot[name] = self.members.params[which]
+            for w, version, member in zip(weights, versions, self.members.weights):
+                if w._version != version:
+                    _refuse_write(self.name, member)
+            return out
+        finally:
+            self.runtime.end_block(outer)
 
 
 def _refuse_write(block: str, member: ShardedWeight | CastWeight) -> NoReturn:

@@ -70,7 +70,9 @@ class Casts:
         if self.packing is not None:
             self.stats.weight_casts += self.packing.refresh()
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            stale = [w for w in self.cast_weights if w.stale()]
+            # `CastWeight.stale`, inlined: asked of every replicated weight as each pass begins
+            stale = [w for w in self.cast_weights
+                     if w.cast_version != w.param._version and not w.aliased]  # fmt: skip
             if stale:
                 # One multi-tensor cast for them all: a kernel, not one per parameter (the
                 # norms of a transformer, two a layer).

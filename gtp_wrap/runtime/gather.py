@@ -51,6 +51,9 @@ class BlockMembers:
     # What each use reads when no weight needs a gather (groups of one): the local copies,
     # fixed at wrap; else None.
     locals: tuple[torch.Tensor, ...] | None
+    # Whether each use reads a gathered buffer through a view made for it (a weight sharded
+    # over more than one rank), rather than a tensor that persists across calls.
+    gathered: tuple[bool, ...]
     tp: bool  # whether any is a tensor-parallel weight, used as its DTensor
 
     @classmethod
@@ -62,9 +65,10 @@ class BlockMembers:
             grad_dtypes = tuple(p.dtype for p in params)
         local = all(w.axis.size == 1 for w in sharded)
         locals_ = tuple(w.local if isinstance(w, ShardedWeight) else w.cast for w in weights)
+        gathered = tuple(isinstance(w, ShardedWeight) and w.axis.size > 1 for w in weights)
         tp = any(w.tp is not None for w in weights)
         return cls(tuple(params), weights, sharded, position, grad_dtypes,
-                   locals_ if local else None, tp)  # fmt: skip
+                   locals_ if local else None, gathered, tp)  # fmt: skip
 
 
 @dataclasses.dataclass

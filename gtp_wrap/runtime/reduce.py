@@ -171,8 +171,7 @@ class GradReducer(Part):
         ends."""
         if accumulated:
             self.ensure_backward()
-            for w, g in accumulated:
-                self._landed_now(w, g.numel() * (self.reduce_dtype or g.dtype).itemsize)
+            self._landed_now(accumulated, self.reduce_dtype)
         for w, g in grads:
             self.reduce_grad(w, g)
 
@@ -190,7 +189,7 @@ class GradReducer(Part):
         gradient as it is, rounded to the reduce dtype: it lands at once, with no collective
         and no staging copy (nor any copy, when `owned` and in the shard's dtype)."""
         param = w.param
-        self._landed_now(w, grad.numel() * dtype.itemsize)
+        self._landed_now(((w, grad),), dtype)
         current = param.grad
         if current is not None:
             current.add_(grad.to(dtype).reshape(current.shape))
@@ -204,13 +203,20 @@ class GradReducer(Part):
             new = grad.to(dtype).to(geo_dtype, memory_format=torch.contiguous_format)
         param.grad = new.view(param.shape)
 
-    def _landed_now(self, w: ShardedWeight, nbytes: int) -> None:
-        """Count and advance a gradient that lands with no collective."""
+    def _landed_now(
+        self, grads: Iterable[tuple[ShardedWeight, torch.Tensor]], dtype: torch.dtype | None
+    ) -> None:
+        """Count and advance gradients that land with no collective, one per weight (a
+        block's together), each `dtype` (None: its own) on the wire it did not take."""
+        landed = self._landed
+        n = nbytes = 0
+        for w, g in grads:
+            w.grad_landed_at_once()
+            landed[w] = None
+            n += 1
+            nbytes += g.numel() * (dtype or g.dtype).itemsize
         self.stats.bytes_reduced += nbytes
-        self.stats.reduce_scatters += 1  # as a group's is counted, though none is issued
-        w.grad_collected()
-        w.grad_landed()
-        self._landed[w] = None  # nothing else of it pending: every gradient lands at once
+        self.stats.reduce_scatters += n  # as a group's are counted, though none is issued
 
     def _issue(self) -> None:
         """Reduce-scatter the collected gradients as one collective; finalize the previous
@@ -295,10 +301,12 @@ class GradReducer(Part):
         landed, self._landed = self._landed, {}
         # Still inside autograd's graph task, where a sharded parameter would read as its
         # gathered weight: the hooks see the shards, as outside backward.
+        ShardedWeight.backward_ended(landed)
+        if not run_hooks:
+            return
         with torch._C.DisableTorchFunctionSubclass():
             for w in landed:
-                w.backward_ended()
-                if run_hooks and w.grad_hooks:
+                if w.grad_hooks:
                     for hook in list(w.grad_hooks.values()):
                         hook(w.param)
 

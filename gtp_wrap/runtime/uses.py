@@ -31,12 +31,12 @@ linear (see `Uses.linear_weight`).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch._utils import _unflatten_dense_tensors
 from torch.autograd import forward_ad
 from torch.utils._pytree import tree_map_only
 
@@ -52,6 +52,7 @@ from .stats import Stats
 _CONTAINERS = (list, tuple, dict)
 _LINEAR = F.linear  # what F.linear is, even where a profiler wraps this module's F
 _graph_task_id = torch._C._current_graph_task_id
+_will_execute = torch._C._will_engine_execute_node
 _is_wrapper = torch._C._functorch.is_functorch_wrapped_tensor
 
 
@@ -179,12 +180,14 @@ class Uses:
             kwargs = {k: swap(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def gathered(self, members: BlockMembers) -> Iterator[list[torch.Tensor]]:
+    def begin_block(self, members: BlockMembers) -> tuple[list[torch.Tensor], BlockCall | None]:
         """The weight one use of each member sees, in order: a block's weights, gathered
         before its forward runs (see [Note: blocks on gathered weights], runtime/blocks.py),
-        for the time of its forward; what the forward saves of them is re-gathered together
-        (see [Note: a block's weights come back together], runtime/gather.py)."""
+        for the time of its forward, which `end_block` closes with what this returned second;
+        what the forward saves of them is re-gathered together (see [Note: a block's weights
+        come back together], runtime/gather.py). A pair of calls rather than a context
+        manager: a block's forward runs once per block call, where contextlib costs five
+        Python calls more."""
         if not self.passes.stack:
             self.runtime.ensure_backward()  # a checkpoint recompute: uses inside backward
         call = None
@@ -199,10 +202,11 @@ class Uses:
         outer, self.gatherer.block_call = self.gatherer.block_call, call
         if members.tp:
             weights = [_as_used(w, t) for w, t in zip(members.weights, weights)]
-        try:
-            yield weights
-        finally:
-            self.gatherer.block_call = outer
+        return weights, outer
+
+    def end_block(self, outer: BlockCall | None) -> None:
+        """Close the block call `begin_block` opened; `outer`: what it returned second."""
+        self.gatherer.block_call = outer
 
     def zeros_like_use(self, w: ShardedWeight) -> torch.Tensor:
         """A zero gradient of the (tp-local) weight a use of `w` reads."""
@@ -303,18 +307,28 @@ class BlockWeights(torch.autograd.Function):
     copy kernel per weight, whose host cost (about 30 µs each under the profiler on an H200 host, 84
     a step at 125M: `benchmarks/RESULTS.md`) was the largest part of what a compiled step spent
     beyond the floor's. They are cast here instead, by one multi-tensor copy per block call into
-    tensors of their parameters' dtypes (and their own layouts), so autograd finds nothing to cast
-    and takes each as `.grad` (or adds it) as before: the same values, one kernel. A differentiable
-    backward (create_graph) leaves the casts to autograd, which records them.
+    contiguous views of one new buffer in their parameters' dtype (made by one allocation and one
+    call that cuts it, not an allocation per weight from Python: the views' layout is the
+    parameters', whose rows are contiguous), so autograd finds nothing to cast and takes each as
+    `.grad` (or adds it) as before: the same values, one kernel. Parameters of mixed dtypes get a
+    tensor each. A differentiable backward (create_graph) leaves the casts to autograd, which
+    records them.
     """
 
     @staticmethod
     def forward(ctx, uses: Uses, members: BlockMembers, *params: GTPParameter):  # type: ignore[override]
         ctx.uses, ctx.members = uses, members
         ctx.set_materialize_grads(False)  # unused weights: zeros made only where needed
-        local = members.locals
-        out = [uses._weight_of(w) for w in members.weights] if local is None else local
-        out = [t.view_as(t) for t in out]  # outputs of this node, not the buffers themselves
+        # Outputs of this node must be tensors of their own, not the local copies or the
+        # replicated weights' casts, which persist across calls: those are viewed; a gathered
+        # weight is a fresh view of its buffer already (one view op fewer per weight).
+        if members.locals is not None:
+            out = [t.view_as(t) for t in members.locals]
+        else:
+            out = []
+            for w, fresh in zip(members.weights, members.gathered):
+                t = uses._weight_of(w)
+                out.append(t if fresh else t.view_as(t))
         unfrozen = ctx.needs_input_grad[2:]  # which parameters require grad
         if not all(unfrozen):
             ctx.mark_non_differentiable(*(t for t, u in zip(out, unfrozen) if not u))
@@ -353,8 +367,15 @@ class BlockWeights(torch.autograd.Function):
                 casts.append((len(out), grad, dtype))
             out.append(grad)
         if len(casts) > 1 and not differentiable:  # [Note: a block's gradients are cast together]
-            cast = [torch.empty_like(grad, dtype=dtype) for _, grad, dtype in casts]
-            torch._foreach_copy_(cast, [grad for _, grad, _ in casts])
+            uncast = [grad for _, grad, _ in casts]
+            dtype = casts[0][2]
+            if all(d == dtype for _, _, d in casts):
+                flat = torch.empty(sum(g.numel() for g in uncast), dtype=dtype,
+                                   device=uncast[0].device)  # fmt: skip
+                cast = list(_unflatten_dense_tensors(flat, uncast))
+            else:
+                cast = [torch.empty_like(grad, dtype=d) for _, grad, d in casts]
+            torch._foreach_copy_(cast, uncast)
             for (i, _, _), c in zip(casts, cast):
                 out[i] = c
         runtime.reduce_grads(sharded, accumulated)
@@ -416,10 +437,16 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torc
 def _will_run_all(ctx, first: int) -> list[bool | None]:
     """`_will_run` for every input from `first` on, all tensors, reading the node's edges once
     (they leave out the inputs before `first`, which are not tensors)."""
-    edges = ctx.next_functions
-    return [
-        _will_run(needed, node) for needed, (node, _) in zip(ctx.needs_input_grad[first:], edges)
-    ]
+    runs: list[bool | None] = []
+    for needed, (node, _) in zip(ctx.needs_input_grad[first:], ctx.next_functions):
+        if not needed:
+            runs.append(False)
+            continue
+        try:  # `_will_run`, inlined: a block asks it of each of its weights on every backward
+            runs.append(_will_execute(node))
+        except RuntimeError:
+            runs.append(None)
+    return runs
 
 
 def _asked(needs: tuple[bool, ...], edges: tuple, index: int) -> bool:
@@ -444,7 +471,7 @@ def _will_run(needed: bool, node: Any) -> bool | None:
     if not needed:
         return False
     try:
-        return torch._C._will_engine_execute_node(node)
+        return _will_execute(node)
     except RuntimeError:
         return None
 
