@@ -474,9 +474,9 @@ class _Casts(TorchDispatchMode):
 def test_a_blocks_gradients_are_cast_by_one_multi_tensor_copy() -> None:
     """bf16 over fp32 masters in a group of one: a backward casts each block's weight
     gradients (sharded and replicated) to fp32 with one multi-tensor copy per block call, none
-    on its own (see [Note: a block's gradients are cast together]), into one buffer per block
-    that autograd then takes as the `.grad`s, with no copy of its own; only the parameters
-    outside blocks that share a block weight's shape (the final norm) may be cast alone."""
+    on its own (see [Note: a block's gradients are cast together]), into the tensors that
+    autograd then takes as the `.grad`s, with no copy of its own; only the parameters outside
+    blocks that share a block weight's shape (the final norm) may be cast alone."""
     torch.manual_seed(0)
     model = GTPWrap(_gpt(), {**POLICY, "param_dtype": "bfloat16", "reduce_dtype": "float32"})
     gtp_wrap.gather_per_block(model)
@@ -493,7 +493,6 @@ def test_a_blocks_gradients_are_cast_by_one_multi_tensor_copy() -> None:
     with torch._C.DisableTorchFunctionSubclass():
         grads = [p.grad for n, p in model.named_parameters() if n.startswith("blocks.")]
     assert all(g is not None and g.data_ptr() in seen.copied for g in grads)
-    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(model.blocks)
 
 
 class _TiedOutside(torch.nn.Module):

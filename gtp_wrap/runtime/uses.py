@@ -36,7 +36,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch._utils import _unflatten_dense_tensors
 from torch.autograd import forward_ad
 from torch.utils._pytree import tree_map_only
 
@@ -307,12 +306,11 @@ class BlockWeights(torch.autograd.Function):
     copy kernel per weight, whose host cost (about 30 µs each under the profiler on an H200 host, 84
     a step at 125M: `benchmarks/RESULTS.md`) was the largest part of what a compiled step spent
     beyond the floor's. They are cast here instead, by one multi-tensor copy per block call into
-    contiguous views of one new buffer in their parameters' dtype (made by one allocation and one
-    call that cuts it, not an allocation per weight from Python: the views' layout is the
-    parameters', whose rows are contiguous), so autograd finds nothing to cast and takes each as
-    `.grad` (or adds it) as before: the same values, one kernel. Parameters of mixed dtypes get a
-    tensor each. A differentiable backward (create_graph) leaves the casts to autograd, which
-    records them.
+    tensors of their parameters' dtypes (and their own layouts), so autograd finds nothing to cast
+    and takes each as `.grad` (or adds it) as before: the same values, one kernel. A differentiable
+    backward (create_graph) leaves the casts to autograd, which records them. (Views of one buffer
+    per block instead of an allocation per gradient, cut by one unflatten call, made the node
+    slower on the H200 host, not faster: 14 view ops for 7 allocations, `benchmarks/RESULTS.md`.)
     """
 
     @staticmethod
@@ -367,15 +365,8 @@ class BlockWeights(torch.autograd.Function):
                 casts.append((len(out), grad, dtype))
             out.append(grad)
         if len(casts) > 1 and not differentiable:  # [Note: a block's gradients are cast together]
-            uncast = [grad for _, grad, _ in casts]
-            dtype = casts[0][2]
-            if all(d == dtype for _, _, d in casts):
-                flat = torch.empty(sum(g.numel() for g in uncast), dtype=dtype,
-                                   device=uncast[0].device)  # fmt: skip
-                cast = list(_unflatten_dense_tensors(flat, uncast))
-            else:
-                cast = [torch.empty_like(grad, dtype=d) for _, grad, d in casts]
-            torch._foreach_copy_(cast, uncast)
+            cast = [torch.empty_like(grad, dtype=dtype) for _, grad, dtype in casts]
+            torch._foreach_copy_(cast, [grad for _, grad, _ in casts])
             for (i, _, _), c in zip(casts, cast):
                 out[i] = c
         runtime.reduce_grads(sharded, accumulated)

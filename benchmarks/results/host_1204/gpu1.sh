@@ -1,4 +1,4 @@
-# Issue 21, ninth step, one H200: this tree against its parent (.whl/base, `git archive HEAD~ gtp_wrap`)
+# Issue 21, ninth step, one H200: this tree against its parent 7005989 (.whl/base, `git archive 7005989 gtp_wrap`)
 # interleaved in one process, in both orders; the per-use host time; the CUDA tests.
 . benchmarks/gpu_env.sh >/dev/null
 nvidia-smi --query-gpu=name --format=csv,noheader
