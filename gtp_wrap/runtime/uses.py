@@ -426,32 +426,12 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 def _will_run_all(ctx, first: int) -> list[bool | None]:
-    """`_will_run` for every input from `first` on, all tensors, reading the node's edges once
-    (they leave out the inputs before `first`, which are not tensors)."""
-    runs: list[bool | None] = []
-    for needed, (node, _) in zip(ctx.needs_input_grad[first:], ctx.next_functions):
-        if not needed:
-            runs.append(False)
-            continue
-        try:  # `_will_run`, inlined: a block asks it of each of its weights on every backward
-            runs.append(_will_execute(node))
-        except RuntimeError:
-            runs.append(None)
-    return runs
-
-
-def _asked(needs: tuple[bool, ...], edges: tuple, index: int) -> bool:
-    """Whether this backward needs the gradient of input `index`, given
-    `ctx.needs_input_grad` and `ctx.next_functions` (whose entries stop at the last tensor
-    input: read only where the input needs one)."""
-    return needs[index] and _will_run(True, edges[index][0]) is not False
-
-
-def _will_run(needed: bool, node: Any) -> bool | None:
-    """Whether this backward needs the gradient of an input: `needed`, its entry of
-    `ctx.needs_input_grad`, and `node`, its edge's node in `ctx.next_functions`. None: it may,
-    and the engine cannot say, as under autograd.grad() for a leaf (a parameter), whose
-    gradient autograd.grad() returns rather than accumulates.
+    """Whether this backward needs the gradient of each input from `first` on (all tensors;
+    the node's edges leave out the inputs before `first`, which are not, and stop at its last
+    tensor input): False where it does not, None where it may and the engine cannot say, as
+    under autograd.grad() for a leaf (a parameter), whose gradient autograd.grad() returns
+    rather than accumulates. One call per node reads `ctx.needs_input_grad` and
+    `ctx.next_functions` once: the engine's linear asks it on every backward of every use.
 
     [Note: needs_input_grad] `ctx.needs_input_grad` is fixed at forward time, while autograd's
     own nodes compute only what the running backward asks for: `autograd.grad(loss, x)` or
@@ -459,12 +439,16 @@ def _will_run(needed: bool, node: Any) -> bool | None:
     nodes it will run; asked about a leaf's node under autograd.grad() it raises, and then the
     gradient is computed, as before.
     """
-    if not needed:
-        return False
-    try:
-        return _will_execute(node)
-    except RuntimeError:
-        return None
+    runs: list[bool | None] = []
+    for needed, (node, _) in zip(ctx.needs_input_grad[first:], ctx.next_functions):
+        if not needed:
+            runs.append(False)
+            continue
+        try:
+            runs.append(_will_execute(node))
+        except RuntimeError:
+            runs.append(None)
+    return runs
 
 
 class ShardedLinear(torch.autograd.Function):
@@ -494,19 +478,20 @@ class ShardedLinear(torch.autograd.Function):
         flat = x.dim() == 2
         g = grad if flat else grad.reshape(-1, weight.geometry.shape[0])
         dx = None
-        needs, edges = ctx.needs_input_grad, ctx.next_functions  # read once: each is a tuple
-        if _asked(needs, edges, 0):  # the weight is re-gathered only when x needs it
+        # x, the parameter, the gathered weight, and the bias where it is a tensor
+        runs = _will_run_all(ctx, first=0)
+        if runs[0] is not False:  # the weight is re-gathered only when x needs it
             # With create_graph, dx stays differentiable in the weight, as autograd's is.
             if torch.is_grad_enabled():
                 w = runtime.full_weight(ctx.param)
             else:
                 w = runtime.gather(weight) if kept is None else kept
             dx = g @ w if flat else (g @ w).reshape(x.shape)
-        if _asked(needs, edges, 1):
+        if runs[1] is not False:
             dtype = runtime.reduce_dtype or g.dtype
             x2 = x if flat else x.reshape(-1, x.shape[-1])
             runtime.reduce_grad(weight, weight_grad(g, x2, dtype), owned=True)
-        dbias = g.sum(0) if _asked(needs, edges, 3) else None
+        dbias = g.sum(0) if len(runs) > 3 and runs[3] is not False else None
         return dx, None, None, dbias, None, None, None
 
 
