@@ -84,9 +84,19 @@ def _train(name: str, rank: int, mode: str, device: str = "cpu") -> dict:
         out["graphs"].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     out["stats"] = gtp_wrap.stats(model)
     out["params"] = gtp_wrap.full_state_dict(model)
+    out["persistent_with_history"] = _persistent_with_history(model)
     with torch.no_grad():
         out["eval"] = _loss(model, torch.randint(0, vocab, (2, 16), generator=data)).item()
     return out
+
+
+def _persistent_with_history(model: torch.nn.Module) -> int:
+    """How many of the engine's tensors that outlive a pass (the sharded weights' local copies,
+    the replicated weights' compute-dtype casts) became part of an autograd graph: a block's
+    node must hand out views of them, never the tensors themselves."""
+    engine = engine_of(model)
+    kept = [w.local for w in engine.weights] + [c.cast for c in engine.casts.cast_weights]
+    return sum(t.grad_fn is not None or t.requires_grad for t in kept)
 
 
 def _readme_snippet() -> str:
@@ -325,6 +335,7 @@ def test_gather_per_block_equals_eager() -> None:
         _check_parity(name, mode="per_block")
         for rank in _ranks():
             assert rank[name]["per_block"]["graphs"] == [0, 0, 0]  # nothing was compiled
+            assert rank[name]["per_block"]["persistent_with_history"] == 0
 
 
 def test_ranks_using_different_weights_of_a_block_train_exactly() -> None:
@@ -493,6 +504,7 @@ def test_a_blocks_gradients_are_cast_by_one_multi_tensor_copy() -> None:
     with torch._C.DisableTorchFunctionSubclass():
         grads = [p.grad for n, p in model.named_parameters() if n.startswith("blocks.")]
     assert all(g is not None and g.data_ptr() in seen.copied for g in grads)
+    assert _persistent_with_history(model) == 0  # the local copies were viewed, not handed out
 
 
 class _TiedOutside(torch.nn.Module):

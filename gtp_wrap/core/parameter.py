@@ -106,8 +106,7 @@ class GTPParameter(nn.Parameter):
             if func in _META_FUNCS:
                 args, kwargs = tree_map_only(GTPParameter, _meta, (args, kwargs))
                 return func(*args, **kwargs)
-            # Not a use: a plain attribute access (reads no values, so needs no gather).
-            if func not in _TENSOR_GETTERS and getattr(func, "__name__", "") in _ATTRIBUTE_ACCESS:
+            if not is_use(func):
                 return func(*args, **kwargs)
             return runtime.use(func, args, kwargs)
 
@@ -216,6 +215,14 @@ def written_param(func, args: tuple, kwargs: dict) -> GTPParameter | None:
     if type(first) in (list, tuple):
         first = next((t for t in first if type(t) is GTPParameter), None)
     return first if type(first) is GTPParameter else None
+
+
+def is_use(func) -> bool:
+    """Whether `func`, called during a pass, reads the weight's values (and so needs it
+    gathered): not a metadata query, not a plain attribute access."""
+    if func in _META_FUNCS:
+        return False
+    return func in _TENSOR_GETTERS or getattr(func, "__name__", "") not in _ATTRIBUTE_ACCESS
 
 
 def _meta(p: GTPParameter) -> torch.Tensor:

@@ -108,7 +108,8 @@ class ShardedWeight:
     def __repr__(self) -> str:
         return f"ShardedWeight({self.fqn!r}, {tuple(self.geometry.shape)}, {self.grad_state})"
 
-    # ---- the gradient's lifecycle: NONE -> PENDING (-> PENDING ...) -> LANDED -> NONE ----
+    # ---- the gradient's lifecycle: NONE -> PENDING (-> PENDING ...) -> LANDED -> NONE, ----
+    # ---- or NONE -> LANDED for a gradient that lands as it is collected             ----
 
     def grad_collected(self) -> None:
         """A gradient of this weight joined a reduce-scatter group."""

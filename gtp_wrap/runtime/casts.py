@@ -70,7 +70,7 @@ class Casts:
         if self.packing is not None:
             self.stats.weight_casts += self.packing.refresh()
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            # `CastWeight.stale`, inlined: asked of every replicated weight as each pass begins
+            # Stale copies (see CastWeight), asked of every replicated weight as each pass begins
             stale = [w for w in self.cast_weights
                      if w.cast_version != w.param._version and not w.aliased]  # fmt: skip
             if stale:

@@ -296,14 +296,14 @@ class GradReducer(Part):
             self._landed[w] = None
 
     def end_backward(self, run_hooks: bool) -> None:
-        """Return every landed weight to `NONE`, first running its users' hooks if asked (the
+        """Return every landed weight to `NONE`, then run its users' hooks if asked (the
         model's own backward; a graphed region's warm-up and capture leave no trace)."""
         landed, self._landed = self._landed, {}
-        # Still inside autograd's graph task, where a sharded parameter would read as its
-        # gathered weight: the hooks see the shards, as outside backward.
         ShardedWeight.backward_ended(landed)
         if not run_hooks:
             return
+        # Still inside autograd's graph task, where a sharded parameter would read as its
+        # gathered weight: the hooks see the shards, as outside backward.
         with torch._C.DisableTorchFunctionSubclass():
             for w in landed:
                 if w.grad_hooks:

@@ -426,12 +426,14 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 def _will_run_all(ctx, first: int) -> list[bool | None]:
-    """Whether this backward needs the gradient of each input from `first` on (all tensors;
-    the node's edges leave out the inputs before `first`, which are not, and stop at its last
-    tensor input): False where it does not, None where it may and the engine cannot say, as
-    under autograd.grad() for a leaf (a parameter), whose gradient autograd.grad() returns
-    rather than accumulates. One call per node reads `ctx.needs_input_grad` and
-    `ctx.next_functions` once: the engine's linear asks it on every backward of every use.
+    """Whether this backward needs the gradient of each input from `first` on, up to its first
+    input that is not a tensor (the node's edges cover its tensor inputs only, in order, so
+    inputs before `first` must not be tensors; an input that is None needs no gradient, so
+    its entry is False whatever edge it meets): False where it does not, None where it may and
+    the engine cannot say, as under autograd.grad() for a leaf (a parameter), whose gradient
+    autograd.grad() returns rather than accumulates. One call per node reads
+    `ctx.needs_input_grad` and `ctx.next_functions` once: the engine's linear asks it on every
+    backward of every use.
 
     [Note: needs_input_grad] `ctx.needs_input_grad` is fixed at forward time, while autograd's
     own nodes compute only what the running backward asks for: `autograd.grad(loss, x)` or
