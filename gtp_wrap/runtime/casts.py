@@ -55,6 +55,8 @@ class Casts:
         self.storage = storage
         self.packing = packing
         self.cast_weights = cast_weights
+        # Those whose copy can go stale: an aliased copy is the parameter's own data.
+        self._recast = [w for w in cast_weights if not w.aliased]
         self._sharded = {id(p) for p in sharded}
         self.stats = stats
         # Whether anything is copied at all: a kept compute copy, FP8 slots, replicated weights
@@ -70,9 +72,8 @@ class Casts:
         if self.packing is not None:
             self.stats.weight_casts += self.packing.refresh()
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            # Stale copies (see CastWeight), asked of every replicated weight as each pass begins
-            stale = [w for w in self.cast_weights
-                     if w.cast_version != w.param._version and not w.aliased]  # fmt: skip
+            # Stale copies (see CastWeight), asked of every re-castable weight as each pass begins
+            stale = [w for w in self._recast if w.cast_version != w.param._version]
             if stale:
                 # One multi-tensor cast for them all: a kernel, not one per parameter (the
                 # norms of a transformer, two a layer).

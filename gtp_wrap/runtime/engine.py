@@ -277,8 +277,7 @@ class GTPEngine:
     def ensure_backward(self) -> None:
         """Open the backward pass, unless one is open: called by everything backward runs of
         ours (autograd functions, saved-tensor unpacks, replicated-grad hooks)."""
-        stack = self.passes.stack  # `Passes.in_backward`, inlined: asked once per node
-        if stack and stack[-1].kind is PassKind.BACKWARD:
+        if self.passes.in_backward():
             return
         self.casts.refresh()
         self.passes.begin(PassKind.BACKWARD)
@@ -314,8 +313,7 @@ class GTPEngine:
         """Drop a backward pass whose backward raised (see `Passes.abandoned`), with what it
         left in flight: called outside backward by the first op on a parameter, and where a
         forward or a capture starts."""
-        stack = self.passes.stack  # the common answer, no backward pass on top, without a call
-        if stack and stack[-1].kind is PassKind.BACKWARD and self.passes.abandoned():
+        if self.passes.abandoned():
             state = self.passes.stack[-1]
             self.watch.failed(
                 RuntimeError("its backward raised"), f"in {state.describe(self.step)}"

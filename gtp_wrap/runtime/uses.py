@@ -325,8 +325,11 @@ class BlockWeights(torch.autograd.Function):
         else:
             out = []
             for w, fresh in zip(members.weights, members.gathered):
-                t = uses._weight_of(w)
-                out.append(t if fresh else t.view_as(t))
+                if fresh:
+                    out.append(uses.gatherer.gather(w))  # type: ignore[arg-type]
+                else:
+                    t = uses._weight_of(w)
+                    out.append(t.view_as(t))
         unfrozen = ctx.needs_input_grad[2:]  # which parameters require grad
         if not all(unfrozen):
             ctx.mark_non_differentiable(*(t for t, u in zip(out, unfrozen) if not u))
