@@ -35,7 +35,11 @@ data on threads of its own and the main thread sleeps while it waits, so CPU tim
 the engine's Python and the ops it dispatches cost, and not how long the peer or the loopback
 took. On a GPU (`--device cuda`, world of 1 only) the figure is wall time with the device
 synchronized at the end of each round: the layers are too small for their kernels to be what
-the step waits for. "Per use" divides the step's extra time by two uses per weight: its
+the step waits for. Beside it, a GPU run reports the same from the process's CPU time
+(`time.process_time`, every thread: autograd runs a CUDA backward on a thread of its own),
+which a shared host's other tenants move less than wall time: a thread descheduled for them
+adds to wall time only (on the H200 host the per-use wall time moved from 25.6 to 49.7 us
+across eight readings of one tree). "Per use" divides the step's extra time by two uses per weight: its
 forward use and its re-gather in backward. Each figure is the fastest of `--rounds` rounds of
 `--steps` steps, with the garbage collector held off inside a round (as `timeit` does).
 """
@@ -134,23 +138,25 @@ def _python_calls_per_step(model: nn.Module, x: torch.Tensor, steps: int = 4) ->
     return calls / steps
 
 
-def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> float:
-    """The fastest round's main-thread CPU time per forward + backward step (wall time with the
-    device synchronized, on a GPU)."""
+def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> tuple[float, float]:
+    """The fastest round's time per forward + backward step: main-thread CPU time on CPU; on a
+    GPU, wall time with the device synchronized, and the process's CPU time (every thread's:
+    autograd runs a CUDA backward on a thread of its own), each the fastest of the rounds."""
     cuda = x.is_cuda
     clock = time.perf_counter if cuda else time.thread_time
     _steps(model, x, 5)
-    per_round = []
+    per_round, cpu_per_round = [], []
     for _ in range(rounds):
         gc.collect()
         gc.disable()  # a collection landing in one round would be most of its noise
-        start = clock()
+        start, cpu_start = clock(), time.process_time()
         _steps(model, x, steps)
         if cuda:
             torch.cuda.synchronize()
         per_round.append((clock() - start) / steps * 1e6)
+        cpu_per_round.append((time.process_time() - cpu_start) / steps * 1e6)
         gc.enable()
-    return min(per_round)
+    return min(per_round), min(cpu_per_round)
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -161,14 +167,14 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         return _model(weights, args.width, args.bias, args.block, args.device)
 
     x = torch.randn(4, args.width, device=args.device)
-    plain = _step_cpu_us(build(), x, steps, rounds)
+    plain, plain_cpu = _step_cpu_us(build(), x, steps, rounds)
     out = {}
     for name, policy in POLICIES.items():
         model = _wrap(build(), policy, args.block)
         dtype = torch.bfloat16 if "param_dtype" in policy else torch.float32
-        ref = _step_cpu_us(build().to(dtype), x.to(dtype), steps, rounds)
-        wrapped = _step_cpu_us(model, x, steps, rounds)
-        base = ref if dtype != torch.float32 else plain
+        ref, ref_cpu = _step_cpu_us(build().to(dtype), x.to(dtype), steps, rounds)
+        wrapped, wrapped_cpu = _step_cpu_us(model, x, steps, rounds)
+        base, base_cpu = (ref, ref_cpu) if dtype != torch.float32 else (plain, plain_cpu)
         plain_ops = _ops_per_step(build().to(dtype), x.to(dtype))
         gtp_ops = _ops_per_step(model, x)
         extra = {k: gtp_ops[k] - plain_ops[k] for k in gtp_ops | plain_ops}
@@ -184,6 +190,10 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             "plain_step_us": round(base, 1),
             "gtp_step_us": round(wrapped, 1),
             "per_use_us": round((wrapped - base) / (2 * weights), 2),
+            # On a GPU, the same from the process's CPU time (see the Note above).
+            "per_use_cpu_us": round((wrapped_cpu - base_cpu) / (2 * weights), 2)
+            if args.device != "cpu"
+            else None,
             "extra_ops_per_use": round(sum(extra.values()) / (2 * weights), 2),
             "extra_python_calls_per_use": None
             if calls is None
@@ -292,7 +302,7 @@ def main() -> None:
                 results["world2_gloo"] = json.load(f)
     print(
         f"{'world':<12} {'policy':<6} {'plain us/step':>14} {'GTP us/step':>12} {'us/use':>8}"
-        f" {'extra ops/use':>14} {'py calls/use':>13}"
+        f" {'extra ops/use':>14} {'py calls/use':>13} {'CPU us/use':>11}"
     )
     for world, by_policy in results.items():
         for policy, r in by_policy.items():
@@ -300,6 +310,7 @@ def main() -> None:
                 f"{world:<12} {policy:<6} {r['plain_step_us']:>14.1f} {r['gtp_step_us']:>12.1f}"
                 f" {r['per_use_us']:>8.2f} {r['extra_ops_per_use']:>14.2f}"
                 f" {r['extra_python_calls_per_use'] or '-':>13}"
+                f" {r['per_use_cpu_us'] if r['per_use_cpu_us'] is not None else '-':>11}"
             )
     if args.out:
         with open(args.out, "w") as f:

@@ -8,7 +8,10 @@ world of one, interleaved over `--rounds` rounds. Each step is cut into its phas
 loss, backward, optimizer step, zero_grad) and each phase's host time is read with
 `time.perf_counter` around it, with no device synchronization inside the step: at batch 1 the
 step is host-bound, so the host's time per phase is what the step is made of (the device is
-synchronized once per step, after it). Besides, the engine functions of `TIMED` are timed where
+synchronized once per step, after it). `step_cpu` is the process's CPU time over the four
+phases (every thread's: a GPU's backward runs on autograd's own thread), without the wait for
+the device after them: what the host worked for the step, which a shared host's other tenants
+move less than its wall time (a descheduled thread adds to wall time only). Besides, the engine functions of `TIMED` are timed where
 they run (on the autograd thread too, where a GPU's backward runs them), so their share of each
 phase is read without a profiler, whose own overhead grows with the Python it traces. Each
 figure is the smallest, over the rounds, of a round's median per step.
@@ -145,7 +148,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                 timers.on = timed and method.startswith("gtp")
                 before = dict(timers.seconds)
                 _sync(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 with torch.autocast(device.type, autocast, enabled=autocast is not None):
                     loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
                 t1 = time.perf_counter()
@@ -154,7 +157,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                 optim.step()
                 t3 = time.perf_counter()
                 clear_grads(method, model, optim)
-                t4 = time.perf_counter()
+                t4, c4 = time.perf_counter(), time.process_time()
                 _sync(device)
                 t5 = time.perf_counter()
                 if not timed:
@@ -162,6 +165,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                 for phase, a, b in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
                     per[phase].append(b - a)
                 per["step"].append(t5 - t0)
+                per["step_cpu"].append(c4 - c0)
                 for key in timers.calls:
                     per[key].append(timers.seconds[key] - before.get(key, 0.0))
             calls[method] = {k: v // args.steps for k, v in timers.calls.items()}
@@ -180,7 +184,8 @@ def table(result: dict[str, Any]) -> str:
     its time."""
     ms, calls = result["ms"], result["calls_per_step"]
     methods = list(ms)
-    keys = ["step", *PHASES] + sorted({k for m in methods for k in ms[m]} - {"step", *PHASES})
+    first = ["step", "step_cpu", *PHASES]
+    keys = first + sorted({k for m in methods for k in ms[m]} - set(first))
     lines = ["| ms per step | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for key in keys:
         row = [

@@ -153,6 +153,8 @@ def test_step_phases_times_each_phase_and_the_engines_functions(tmp_path: Path) 
         ms = result["ms"][method]
         phases = sum(ms[p] for p in ("forward", "backward", "optimizer", "zero_grad"))
         assert 0 < phases <= ms["step"] * 1.5  # medians of parts: near the step's median
+        # The process's CPU time over the phases: one thread on CPU, so about the wall time.
+        assert 0.5 * phases < ms["step_cpu"] <= ms["step"] * 1.5
     calls = result["calls_per_step"]
     assert calls["floor"] == calls["amp"] == {}
     for method in ("gtp_blocks", "gtp_blocks@base"):
