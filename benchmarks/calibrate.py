@@ -16,8 +16,10 @@ What it measures, each with a source line in the JSON:
   and reduce-scatters of several sizes, fitted to α + (n-2)·hop + (n-1)/n·bytes/GB/s; and the
   contention: a GEMM loop alone and beside an all-gather loop, each slowed by the other;
 - unless `--no-steps`, training steps of the model at each world and batch, stored as
-  held-out runs for `gtp-plan validate`: GTP's on CPU; bench_step's floor, floor_graph, gtp
-  and gtp_graph on GPUs.
+  held-out runs for `gtp-plan validate`: GTP's on CPU, per use and with its blocks on gathered
+  weights (gtp_blocks); bench_step's floor, floor_graph, gtp, gtp_graph and gtp_blocks on GPUs.
+  The world-1 gtp_blocks step at the smallest batch fits the host time per block
+  (`host.block_us`) and is marked a calibration run.
 
 Bound: `--budget-s` (default 280) is checked between parts; whatever would overrun is left
 out and said so. On a GPU machine: `PYTHONPATH=. timeout 300 python benchmarks/calibrate.py
@@ -44,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gtp_wrap import GTPWrap  # noqa: E402
+from gtp_wrap import GTPWrap, gather_per_block  # noqa: E402
 from gtp_wrap.app.launch import launch  # noqa: E402
 from gtp_wrap.app.model import GPT, GPTConfig  # noqa: E402
 from gtp_wrap.scaling.cluster import cluster_from_dict  # noqa: E402
@@ -58,6 +60,7 @@ from gtp_wrap.scaling.predict import (  # noqa: E402
     pass_order,
     weight_gemms_s,
 )
+from gtp_wrap.scaling.validate import predicted_ms  # noqa: E402
 
 # The CPU validation model: configs/model/gpt_small's shapes.
 CPU_MODEL = ModelConfig(
@@ -206,6 +209,7 @@ def skeleton(device: torch.device, tile: tuple[int, int], units: int) -> dict:
             "use_us_local": 0.0,
             "use_us": 0.0,
             "graph_step_us": 0.0,
+            "block_us": 0.0,
             "fsdp2_block_us": 0.0,
         },
     }
@@ -458,9 +462,10 @@ class StepJob:
 
 
 def _step_rank(device: torch.device, job: StepJob) -> None:
-    """Step times at each batch: on GPUs bench_step's floor, floor_graph, gtp and gtp_graph
-    (fused AdamW, bf16 gathers over fp32 masters; their median step); on CPU the GTP step of
-    the default (fp32) policy, fastest of the timed steps."""
+    """Step times at each batch: on GPUs bench_step's floor, floor_graph, gtp, gtp_graph and
+    gtp_blocks (fused AdamW, bf16 gathers over fp32 masters; their median step); on CPU the
+    GTP step of the default (fp32) policy, per use and with its blocks on gathered weights
+    (gtp_blocks), fastest of the timed steps."""
     rows = []
     if device.type == "cuda":
         import bench_step  # benchmarks/, beside this script
@@ -468,7 +473,7 @@ def _step_rank(device: torch.device, job: StepJob) -> None:
 
         probe = HostProbe(device)
         for batch in job.batches:
-            for method in ("floor", "floor_graph", "gtp", "gtp_graph"):
+            for method in ("floor", "floor_graph", "gtp", "gtp_graph", "gtp_blocks"):
                 r = bench_step.measure(
                     method,
                     gpt_config(job.model),
@@ -484,30 +489,35 @@ def _step_rank(device: torch.device, job: StepJob) -> None:
                 rows.append({"batch": batch, "method": method, "seconds": r["step_ms"] / 1e3,
                              "host_probe_ms": r["host_probe_ms"]})  # fmt: skip
     else:
-        torch.manual_seed(0)
-        net = GPT(gpt_config(job.model))
-        GTPWrap(net)
-        opt = torch.optim.AdamW(net.parameters())
         loop = _gemm_loop(device, torch.float32)
-        for batch in job.batches:
-            g = torch.Generator().manual_seed(dist.get_rank())
-            idx = torch.randint(0, job.model.vocab, (batch, job.model.seq + 1), generator=g)
+        for method in ("gtp", "gtp_blocks"):
+            torch.manual_seed(0)
+            net = GPT(gpt_config(job.model))
+            GTPWrap(net)
+            if method == "gtp_blocks":
+                gather_per_block(net)
+            opt = torch.optim.AdamW(net.parameters())
+            for batch in job.batches:
+                g = torch.Generator().manual_seed(dist.get_rank())
+                idx = torch.randint(0, job.model.vocab, (batch, job.model.seq + 1), generator=g)
 
-            def step(idx=idx) -> None:
-                out = net(idx[:, :-1]).float().flatten(0, 1)
-                F.cross_entropy(out, idx[:, 1:].flatten()).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                def step(idx=idx, net=net, opt=opt) -> None:
+                    out = net(idx[:, :-1]).float().flatten(0, 1)
+                    F.cross_entropy(out, idx[:, 1:].flatten()).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
 
-            step()  # a warm-up step beside timed_probed's own
-            # the probe runs in every rank at once, as their steps do
-            seconds, probe = timed_probed(
-                lambda: (dist.barrier(), step()),
-                lambda: (dist.barrier(), loop()),
-                device,
-                job.steps,
-            )
-            rows.append({"batch": batch, "method": "gtp", "seconds": seconds, "probe_s": probe})
+                step()  # a warm-up step beside timed_probed's own
+                # the probe runs in every rank at once, as their steps do
+                seconds, probe = timed_probed(
+                    lambda step=step: (dist.barrier(), step()),
+                    lambda: (dist.barrier(), loop()),
+                    device,
+                    job.steps,
+                )
+                rows.append(
+                    {"batch": batch, "method": method, "seconds": seconds, "probe_s": probe}
+                )
     if dist.get_rank() == 0:
         Path(job.out).write_text(json.dumps(rows))
 
@@ -614,6 +624,7 @@ def main(argv: list[str] | None = None) -> None:
     h["step_us"] = src(0.0 if not cuda else 1000, "not measured: the loss and optimizer launch")
     h["graph_step_us"] = src(50, "estimate: one CUDA graph replay launch")
     h["fsdp2_block_us"] = src(2000, "../shared/GPU.md: FSDP2 adds ~2 ms per module group")
+    h["block_us"] = src(0.0, "not measured (no world-1 gtp_blocks step)")
     comm_rows: list[dict] = []
     contention = None
     alone = raw["probe_s"]["value"]
@@ -682,12 +693,31 @@ def main(argv: list[str] | None = None) -> None:
     if link:
         raw["links"] = {"intra": link, "inter": link}
     raw["runs"] = runs_of(model, plain_runs, step_runs, cuda, here)
+    fit_block_us(raw, here)
     raw["skipped"] = budget.skipped
     if hasattr(os, "getloadavg"):  # the neighbours' load while this ran (CPU figures move with it)
         raw["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(raw, indent=1) + "\n")
     print(f"calibrate: wrote {args.out} ({len(raw['runs'])} runs; skipped: {budget.skipped})")
+
+
+def fit_block_us(raw: dict, here: str) -> None:
+    """The host time per block on gathered weights and step (`host.block_us`), bisected to
+    the world-1 gtp_blocks step at the smallest batch, which becomes a calibration run."""
+    run = next((r for r in raw["runs"] if r["method"] == "gtp_blocks" and not r["mesh"]), None)
+    if run is None:
+        return
+    lo, hi = 0.0, 1e5
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        raw["host"]["block_us"] = mid
+        predicted = predicted_ms(cluster_from_dict(raw, "block_us"), run)
+        lo, hi = (mid, hi) if predicted < run["measured_ms"] else (lo, mid)
+    raw["host"]["block_us"] = src(
+        lo, f"{here}: the world-1 batch-{run['batch']} gtp_blocks step (fit)"
+    )
+    run["calibration"] = True
 
 
 def measure_use_us_world2(budget: Budget) -> float:
@@ -710,7 +740,8 @@ def runs_of(
     model: ModelConfig, plain: list[dict], steps: list[dict], cuda: bool, here: str
 ) -> list[dict]:
     """The measured steps as runs for `gtp-plan validate`: the plain model's (calibration:
-    the elementwise and per-layer fit) and GTP's (held out)."""
+    the elementwise and per-layer fit) and GTP's (held out; `fit_block_us` marks the one it
+    fits to)."""
     spec = dataclasses.asdict(model)
     gather = {} if cuda else {"gather": "fp32"}
     out = []

@@ -36,12 +36,13 @@ the engine's Python and the ops it dispatches cost, and not how long the peer or
 took. On a GPU (`--device cuda`, world of 1 only) the figure is wall time with the device
 synchronized at the end of each round: the layers are too small for their kernels to be what
 the step waits for. Beside it, a GPU run reports the same from the process's CPU time
-(`time.process_time`, every thread: autograd runs a CUDA backward on a thread of its own),
-which a shared host's other tenants move less than wall time: a thread descheduled for them
-adds to wall time only (on the H200 host the per-use wall time moved from 25.6 to 49.7 us
-across eight readings of one tree). "Per use" divides the step's extra time by two uses per weight: its
-forward use and its re-gather in backward. Each figure is the fastest of `--rounds` rounds of
-`--steps` steps, with the garbage collector held off inside a round (as `timeit` does).
+(`time.process_time`, every thread: autograd runs a CUDA backward on a thread of its own). On
+the H200 host the two read the same within 4 % (`results/cpu_time_1204/`): what moves the
+per-use time between hosts (25.6 to 87.6 us for one tree) is how fast the host runs, not time
+its threads wait for other tenants' cores. "Per use" divides the step's extra time by two uses
+per weight: its forward use and its re-gather in backward. Each figure is the fastest of
+`--rounds` rounds of `--steps` steps, with the garbage collector held off inside a round (as
+`timeit` does).
 """
 
 from __future__ import annotations

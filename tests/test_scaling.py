@@ -18,7 +18,7 @@ from gtp_wrap.scaling.collectives import collective_s
 from gtp_wrap.scaling.mesh import Group, MeshError
 from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig, model_by_name
 from gtp_wrap.scaling.precision import PrecisionError
-from gtp_wrap.scaling.predict import PlanError, cut_groups, uses
+from gtp_wrap.scaling.predict import PlanError, block_stages, cut_groups, uses
 from gtp_wrap.scaling.validate import TARGET, check, predicted_ms
 
 H200 = load_cluster("h200")
@@ -186,6 +186,48 @@ def test_chain_groups_follow_the_engine_cut() -> None:
         assert len({u.weight.kind == "expert" for u in g}) == 1
 
 
+def test_blocks_pay_host_time_per_block_not_per_use() -> None:
+    """gtp_blocks (gather_per_block): at world 1, host-bound (125M, batch 1), each of the 12
+    blocks adds `block_us` to the step instead of an intercepted use per weight; the root's
+    weights (embedding, tied head) stay per use."""
+    plan = Plan(model_by_name("gpt_125m"), H200, Mesh(), 1, 2048)
+    at = {
+        us: predict(dataclasses.replace(plan, cluster=dataclasses.replace(
+            H200, host=dataclasses.replace(H200.host, block_us=us))), "gtp_blocks").step
+        for us in (0.0, 500.0)
+    }  # fmt: skip
+    assert at[500.0] - at[0.0] == pytest.approx(12 * 500e-6, rel=1e-6)
+    per_use = predict(plan, "gtp")
+    assert at[0.0] < per_use.step  # no use costs use_us_local but the root's
+    root = [u for u in uses(plan, "gtp_blocks", False) if u.weight.layer < 0]
+    assert [u.weight.kind for u in root] == ["embedding", "head"]
+    assert all(u.host_s == H200.host.use_us_local * 1e-6 for u in root)
+
+
+def test_a_block_computes_once_all_its_weights_have_landed() -> None:
+    """A layer spanning several chain groups computes on the stage of its last group (the
+    earlier ones gather back to back), and reduces its gradients there; in backward a layer
+    re-gathers its weights in its own order."""
+    plan = Plan(GPT_1P36B, H200, Mesh(gtp=2), group_numel=0)  # one weight per group
+    fwd = cut_groups(uses(plan, "gtp_blocks", False), 0)
+    stages = block_stages(plan, fwd, True, False)
+    layer0 = [i for i, g in enumerate(fwd) if g[0].weight.layer == 0]
+    assert [stages[i].compute_s > 0 for i in layer0] == [False] * 4 + [True]
+    assert stages[layer0[-1]].compute_s == pytest.approx(
+        sum(u.compute_s for i in layer0 for u in fwd[i])
+    )
+    assert all(s.gather_s > 0 for s in stages)
+    bwd = cut_groups(uses(plan, "gtp_blocks", True), 0)
+    names = [g[0].weight.name for g in bwd]
+    assert names[:3] == ["head", "layers.23.qkv", "layers.23.o"]  # the layer's own order
+    back = block_stages(plan, bwd, True, True)
+    last23 = max(i for i, g in enumerate(bwd) if g[0].weight.layer == 23)
+    assert [s.reduce_s > 0 for s in back[1 : last23 + 1]] == [False] * 4 + [True]
+    # Its gathers wait for each other: more exposed than the per-use chain's
+    blocks, per_use = predict(plan, "gtp_blocks"), predict(plan, "gtp")
+    assert blocks.exposed_comm > per_use.exposed_comm
+
+
 def test_encoded_gathers_move_fewer_bytes() -> None:
     assert Precision(gather="nvfp4").gather_bytes == 0.5625
     plan = Plan(LLAMA70B, H200.with_inter_gbs(3), Mesh(gtp=64), recompute=True, graphed=True)
@@ -231,6 +273,8 @@ def test_cli_plan_and_scale(tmp_path, capsys) -> None:
     )
     out = capsys.readouterr().out
     assert "exposed communication" in out and "tokens/s/GPU" in out
+    main(["--model", "gpt_125m", "--cluster", "h200", "--method", "gtp_blocks"])
+    assert "gtp_blocks step of gpt_125m" in capsys.readouterr().out
     main(
         [
             "scale",

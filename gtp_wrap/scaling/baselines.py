@@ -23,7 +23,7 @@ from .chain import Lanes, Stage, simulate
 from .collectives import collective_s
 from .predict import ADAMW_BYTES, Plan, Prediction, Use, finish, hbm_s, predict, uses
 
-METHODS = ("gtp", "floor", "fsdp2", "tp")
+METHODS = ("gtp", "gtp_blocks", "floor", "fsdp2", "tp")
 
 
 def _by_block(order: list[Use]) -> list[list[Use]]:
@@ -137,8 +137,8 @@ def tp(plan: Plan) -> Prediction:
 
 
 def predict_method(plan: Plan, method: str) -> Prediction:
-    """`gtp`, `floor`, `fsdp2` or `tp` on `plan`."""
-    if method in ("gtp", "floor"):
+    """`gtp`, `gtp_blocks`, `floor`, `fsdp2` or `tp` on `plan`."""
+    if method in ("gtp", "gtp_blocks", "floor"):
         return predict(plan, method)  # type: ignore[arg-type]
     if method == "fsdp2":
         return fsdp2(plan)

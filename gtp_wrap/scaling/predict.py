@@ -14,6 +14,9 @@ Per GPU, with `m = batch x seq` tokens per data rank:
   token all-to-alls over ep (on the critical path); replicated parameters all-reduced last.
 - host: eager steps launch every use (`host.use_us`) and layer (`host.layer_us`); a graphed
   step replays with `host.graph_step_us`.
+
+`gtp_blocks` is the engine with its blocks on gathered weights (`gather_per_block`, gtp-train's
+default): see [Note: blocks in the model].
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .mesh import Mesh
 from .model import ModelConfig, Weight
 from .precision import Precision
 
-Method = Literal["gtp", "floor"]
+Method = Literal["gtp", "floor", "gtp_blocks"]
 ADAMW_BYTES = 28.0  # fused AdamW per fp32 element: read param, grad, m, v; write param, m, v
 LOSS_BYTES = 12.0  # per logit: the fp32 copy written, read by the softmax, its gradient written
 BACKWARD_SHARE = 2.0 / 3.0  # of a layer's elementwise work and small kernels
@@ -198,17 +201,22 @@ def layer_costs(plan: Plan, layer: int, backward: bool) -> float:
     return (attn * ATTENTION_BACKWARD if backward else attn) + share * (elementwise + small)
 
 
-def pass_order(cfg: ModelConfig, backward: bool) -> list[tuple[Weight, bool]]:
+def pass_order(cfg: ModelConfig, backward: bool, blocks: bool = False) -> list[tuple[Weight, bool]]:
     """(weight, gathered) in a pass's order. A tied head reads the embedding's weight again;
     backward re-gathers every weight but the embedding, whose gradient (a lookup's) is still
-    reduced, last."""
+    reduced, last. With `blocks`, backward re-gathers each layer's weights together, in the
+    layer's own order (runtime/gather.py, [Note: a block's weights come back together])."""
     order = cfg.weights()
     embed = order[0]
     if cfg.tie_embeddings:
         order = order + [dataclasses.replace(embed, kind="head", name="head")]
     if not backward:
         return [(w, True) for w in order]
-    return [(w, True) for w in reversed(order[1:])] + [(embed, False)]
+    back = list(reversed(order[1:]))
+    if blocks:
+        root = [w for w in back if w.layer < 0]
+        back = root + [w for i in reversed(range(cfg.layers)) for w in order if w.layer == i]
+    return [(w, True) for w in back] + [(embed, False)]
 
 
 def uses(plan: Plan, method: Method, backward: bool, comm: bool = True) -> list[Use]:
@@ -217,8 +225,9 @@ def uses(plan: Plan, method: Method, backward: bool, comm: bool = True) -> list[
     cfg, cl, mesh = plan.cfg, plan.cluster, plan.mesh
     m = plan.tokens
     sharded = mesh.gtp * mesh.egtp > 1
+    blocks = method == "gtp_blocks"
     out = []
-    for w, gathered in pass_order(cfg, backward):
+    for w, gathered in pass_order(cfg, backward, blocks):
         full = local_full_numel(w, mesh)
         compute = weight_gemms_s(plan, w, backward)
         host = 0.0
@@ -236,24 +245,42 @@ def uses(plan: Plan, method: Method, backward: bool, comm: bool = True) -> list[
         dispatch = comm and w.name.endswith("gate_up")
         inline = 2 * expert_all_to_all_s(plan) if dispatch else 0.0
         inline *= 2 if again else 1
-        if method == "gtp":
+        in_block = blocks and w.layer >= 0
+        if in_block:
+            compute += engine_s(plan, w, full, backward, sharded, autograd_grad=True)
+            # A block's weights are gathered (and their collectives launched) without an
+            # intercepted use each; the block's call costs `block_us` a step.
+            host += (cl.host.use_us - cl.host.use_us_local) * 1e-6 if sharded else 0.0
+            if w.name.endswith(".o"):
+                host += cl.host.block_us * 1e-6 / 2
+        elif method in ("gtp", "gtp_blocks"):
             compute += engine_s(plan, w, full, backward, sharded) if gathered else 0.0
             host += (cl.host.use_us if sharded else cl.host.use_us_local) * 1e-6
         out.append(Use(w, full, gathered, compute, host, inline))
     return out
 
 
-def engine_s(plan: Plan, w: Weight, full: float, backward: bool, sharded: bool) -> float:
+def engine_s(
+    plan: Plan,
+    w: Weight,
+    full: float,
+    backward: bool,
+    sharded: bool,
+    autograd_grad: bool = False,
+) -> float:
     """The engine's work per use beside the GEMMs: the cast of this rank's shard into the
     gather buffer (sharded groups; a group of one casts once per step, see `step_engine_s`),
-    the decode of an encoded gather, and in backward the fp32 weight gradient's extra bytes."""
+    the decode of an encoded gather, and in backward the fp32 weight gradient's extra bytes:
+    the engine's linear writes it in fp32 (2 bytes more per element than bf16); autograd's
+    (`autograd_grad`, inside a block) writes it in bf16, cast to fp32 after (read 2, write 4)."""
     prec, cl = plan.precision, plan.cluster
     group = plan.mesh.egtp if w.kind == "expert" else plan.mesh.gtp
     nbytes = 0.0
     if sharded and not prec.encoded:
         nbytes += full / group * prec.cast_bytes_per_shard_element()
     if backward and prec.reduce_bytes > prec.compute_bytes:
-        nbytes += full * (prec.reduce_bytes - prec.compute_bytes)
+        extra = prec.reduce_bytes + (prec.compute_bytes if autograd_grad else -prec.compute_bytes)
+        nbytes += full * extra
     decode = cl.compute.decode_s(prec.gather, full) if prec.encoded else 0.0
     return hbm_s(cl, nbytes) + decode
 
@@ -317,6 +344,54 @@ def stages(plan: Plan, groups: list[list[Use]], gathers: bool, reduces: bool) ->
             inline_s=sum(u.inline_s for u in g),
         )
         for g in groups
+    ]
+
+
+def block_stages(plan: Plan, groups: list[list[Use]], gathers: bool, reduces: bool) -> list[Stage]:
+    """The chain groups of a step whose blocks run on gathered weights as lanes' stages.
+
+    [Note: blocks in the model] A block (a layer) on gathered weights gathers all of its
+    weights before its forward runs, along the chain as every use does, and in backward
+    re-gathers them together at its first saved weight (in the layer's own order) and hands
+    their gradients to the reduction when its backward ends. So a layer's compute and launches
+    sit on the stage of the chain group that holds its last weight of the pass, and its
+    reductions are issued there, cut into groups as the engine cuts them; a group that only
+    starts a layer has nothing to compute, so the gathers of a layer spanning several groups
+    follow each other, with only the first one prefetched under the previous layer's compute
+    (prefetch_depth 1). The root's weights (embedding, head) stay per use."""
+    share, host = plan.share, plan.host_share
+    last: dict[int, int] = {}  # layer -> the group holding its last use of the pass
+    for i, g in enumerate(groups):
+        for u in g:
+            if u.weight.layer >= 0:
+                last[u.weight.layer] = i
+    n = len(groups)
+    compute, hosts, inline, reduce = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    by_layer: dict[int, list[Use]] = {}
+    for i, g in enumerate(groups):
+        for u in g:
+            layer = u.weight.layer
+            at = last[layer] if layer >= 0 else i
+            compute[at] += u.compute_s
+            hosts[at] += u.host_s
+            inline[at] += u.inline_s
+            if layer >= 0:
+                by_layer.setdefault(layer, []).append(u)
+            elif reduces:
+                reduce[i] += group_comm_s(plan, [u], "reduce_scatter")
+    if reduces:
+        for layer, block in by_layer.items():
+            cuts = cut_groups(block, plan.group_numel)
+            reduce[last[layer]] += sum(group_comm_s(plan, c, "reduce_scatter") for c in cuts)
+    return [
+        Stage(
+            gather_s=group_comm_s(plan, g, "all_gather") if gathers else 0.0,
+            compute_s=share * compute[i],
+            host_s=0.0 if plan.graphed else host * hosts[i],
+            reduce_s=reduce[i],
+            inline_s=inline[i],
+        )
+        for i, g in enumerate(groups)
     ]
 
 
@@ -392,18 +467,20 @@ def finish(
 
 
 def predict(plan: Plan, method: Method = "gtp") -> Prediction:
-    """The predicted step of `method`: `gtp` (the engine on `plan.mesh`) or `floor` (the same
-    model's compute with no communication and no engine, its AdamW over 1/world of the
-    parameters: bench_step's floor)."""
+    """The predicted step of `method`: `gtp` (the engine on `plan.mesh`), `gtp_blocks` (the
+    same with its blocks on gathered weights, see [Note: blocks in the model]) or `floor`
+    (the same model's compute with no communication and no engine, its AdamW over 1/world of
+    the parameters: bench_step's floor)."""
     cl, mesh = plan.cluster, plan.mesh
-    gathers = method == "gtp" and mesh.gtp * mesh.egtp > 1
-    reduces = method == "gtp" and mesh.world > 1
-    comm = method == "gtp"
-    fwd = cut_groups(uses(plan, method, False, comm), plan.group_numel)
-    bwd = cut_groups(uses(plan, method, True, comm), plan.group_numel)
+    engine = method != "floor"
+    gathers = engine and mesh.gtp * mesh.egtp > 1
+    reduces = engine and mesh.world > 1
+    fwd = cut_groups(uses(plan, method, False, engine), plan.group_numel)
+    bwd = cut_groups(uses(plan, method, True, engine), plan.group_numel)
+    build = block_stages if method == "gtp_blocks" else stages
     contended = gathers or reduces
     timeline = simulate(
-        [stages(plan, fwd, gathers, False), stages(plan, bwd, gathers, reduces)],
+        [build(plan, fwd, gathers, False), build(plan, bwd, gathers, reduces)],
         plan.prefetch_depth,
         cl.contention_compute if contended else 1.0,
         cl.contention_comm if contended else 1.0,
@@ -412,7 +489,7 @@ def predict(plan: Plan, method: Method = "gtp") -> Prediction:
     )
     share = plan.share
     after_compute = share * optimizer_s(plan, method)
-    if method == "gtp":
+    if engine:
         after_compute += share * step_engine_s(plan)
     after_comm = replicated_s(plan) if reduces else 0.0
     largest = max(sum(u.numel for u in g) for g in fwd + bwd)

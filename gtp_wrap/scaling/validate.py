@@ -2,7 +2,8 @@
 predicted from that JSON's rates, with its error.
 
 A run names bench_step's method: `floor` / `floor_graph` (no communication, eager / graphed),
-`gtp` / `gtp_graph` (the engine, eager / graphed), `fsdp2`, or `plain` (calibrate.py's forward
+`gtp` / `gtp_graph` (the engine, eager / graphed), `gtp_blocks` (the engine with its blocks
+on gathered weights, eager), `fsdp2`, or `plain` (calibrate.py's forward
 and backward of the unwrapped model, no optimizer); the model by a name of
 `model.MODELS` or inline (`"model": {...ModelConfig fields}`, for the small CPU models), the
 mesh as `gtp-plan` writes it, and `calibration: true` when the JSON's rates were fitted to it

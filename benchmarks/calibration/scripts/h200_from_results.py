@@ -136,6 +136,7 @@ def skeleton() -> dict:
                 "(1.36B batch 1, 2xH200, eager)",
             ),
             "graph_step_us": src(50, "estimate: one CUDA graph replay launch"),
+            "block_us": 0.0,
             "fsdp2_block_us": src(
                 2000, "../shared/GPU.md: FSDP2 adds ~2 ms per module group per step"
             ),
@@ -292,6 +293,34 @@ def fit_host_probed(raw: dict) -> None:
     fsdp = probed_row("1.36B", "fsdp2")
     slower = fsdp["host_probe_ms"] / floor["host_probe_ms"]
     raw["host"]["fsdp2_block_us"] = fit_fsdp2(raw, fsdp["step_ms"], where, Mesh(), slower)
+    fit_block(raw)
+
+
+# A step_phases.py run of the eager floor and gtp_blocks in one process (no --baseline), 125M
+# batch 1, world 1: their ratio fits `block_us` (below).
+BLOCKS = "cpu_time_1204/phases_a.json"
+
+
+def fit_block(raw: dict) -> None:
+    """The host time per block on gathered weights and step, bisected to gtp_blocks' 125M
+    batch-1 step over the eager floor's in one process (both host-bound, so their ratio
+    carries over to the calibration's host, where the floor is predicted as measured)."""
+    ms = load(BLOCKS)["ms"]
+    ratio = ms["gtp_blocks"]["step"] / ms["floor"]["step"]
+
+    def plan(cl) -> Plan:
+        return Plan(GPT_125M, cl, Mesh(), 1, 2048)
+
+    floor_ms = predict(plan(cluster_from_dict(raw, "block_us")), "floor").step * 1e3
+    value = bisect_host(
+        raw, "block_us", lambda cl: predict(plan(cl), "gtp_blocks").step * 1e3,
+        ratio * floor_ms, 5000.0,
+    )  # fmt: skip
+    raw["host"]["block_us"] = src(
+        value,
+        f"results/{BLOCKS}: 125M batch-1 gtp_blocks step over the eager floor's "
+        f"({ratio:.3f}), world 1 (fit)",
+    )
 
 
 # bench_step runs that carry the host probe (benchmarks/host_probe.py), the first one the host
@@ -342,7 +371,8 @@ def runs() -> list[dict]:
             key = (r["model"], r["batch"], r["method"])
             if which != "all" and key not in which:
                 continue
-            if r["method"] not in ("floor", "floor_graph", "gtp", "gtp_graph", "fsdp2"):
+            if r["method"] not in ("floor", "floor_graph", "gtp", "gtp_graph", "gtp_blocks",
+                                   "fsdp2"):  # fmt: skip
                 continue
             out.append(
                 {
