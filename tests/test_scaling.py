@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gtp_wrap.scaling import Mesh, Plan, Precision, load_cluster, predict
+from gtp_wrap.scaling.baselines import predict_method
 from gtp_wrap.scaling.chain import Stage, simulate
 from gtp_wrap.scaling.cli import main
 from gtp_wrap.scaling.cluster import ClusterError
@@ -19,7 +20,7 @@ from gtp_wrap.scaling.mesh import Group, MeshError
 from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig, model_by_name
 from gtp_wrap.scaling.precision import PrecisionError
 from gtp_wrap.scaling.predict import PlanError, block_stages, cut_groups, uses
-from gtp_wrap.scaling.validate import TARGET, check, predicted_ms
+from gtp_wrap.scaling.validate import TARGET, check, plan_of, predicted_ms
 
 H200 = load_cluster("h200")
 
@@ -33,11 +34,19 @@ def test_calibration_runs_are_reproduced(name: str) -> None:
 
 
 def test_held_out_graphed_h200_steps_within_target() -> None:
-    """The steps without host noise (graphed, or batch >= 4 where the host hides) are held out
-    and within 10 %; eager batch-1 steps move with the host's speed and are only reported."""
-    checks = [c for c in check(H200) if not c.calibration]
-    steady = [c for c in checks if c.run["method"].endswith("_graph") or c.run["batch"] >= 4]
-    assert len(steady) >= 20
+    """The steps without host noise (graphed, or where the model has the host hidden behind
+    the device: its wait for the host under 10 % of the step) are held out and within 10 %;
+    host-bound steps move with the host's speed and are only reported (125M at batch 4 is
+    still a quarter host-bound for the engine on blocks: `results/blocks_1204/`)."""
+    steady = []
+    for c in check(H200):
+        if c.calibration:
+            continue
+        plan, method = plan_of(H200, c.run)
+        pred = predict_method(plan, method)
+        if c.run["method"].endswith("_graph") or pred.host <= 0.1 * pred.step:
+            steady.append(c)
+    assert len(steady) >= 40
     for c in steady:
         assert abs(c.error) <= TARGET, f"{c.label()}: {c.error:+.1%}"
 

@@ -329,6 +329,7 @@ PROBED = [
     "host_probe_1203/bench_probe_1624.json",
     "host_probe_1203/bench_probe_1637.json",
     "host_probe_1203/bench_probe_1657.json",
+    "blocks_1204/bench.json",  # predicted before it ran: blocks_1204/predicted.json
 ]
 PROBED_CALIBRATION = {("125M", 1, "floor"), ("125M", 1, "gtp"), ("1.36B", 1, "fsdp2")}
 NONE: set[tuple[str, int, str]] = set()
