@@ -265,6 +265,35 @@ def _block_alone() -> dict:
             "left_open": [after_raise, after_failed_open, left_open()]}  # fmt: skip
 
 
+def _block_chains() -> dict:
+    """group_numel=0 (a collective per weight), per use and with blocks on gathered weights:
+    the chains' groups (weight names per group, per pass kind) and the losses of 3 steps."""
+    out = {}
+    for mode in ("eager", "per_block"):
+        torch.manual_seed(0)
+        model = GTPWrap(_gpt(), {**POLICY, "group_numel": 0})
+        if mode == "per_block":
+            gtp_wrap.gather_per_block(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(STEPS):
+            loss = _loss(model, torch.randint(0, 256, (2, 16), generator=data))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        engine = engine_of(model)
+        chains = {}
+        for (kind, _, _), chain in engine.passes.chains.items():
+            groups: dict[int, list[str]] = {}
+            for position, index in enumerate(chain.order):
+                groups.setdefault(chain.group_of[position], []).append(engine.weights[index].fqn)
+            chains[kind.value] = list(groups.values())
+        out[mode] = {"losses": losses, "chains": chains}
+    return out
+
+
 def _cases(rank: int, world: int) -> dict:
     results: dict = {"readme": {"eager": _run_readme(False), "compiled": _run_readme(True)}}
     results |= {
@@ -279,6 +308,7 @@ def _cases(rank: int, world: int) -> dict:
     results["requested"] = {mode: _requested_grads(mode) for mode in ("eager", "per_block")}
     results["misuse"] = _misuse()
     results["block_alone"] = _block_alone()
+    results["block_chains"] = _block_chains()
     outer = gtp_wrap.compile(GTPWrap(_Outer(), POLICY))
     results["outside"] = caught(lambda: outer(torch.randn(2, 16)))
     return results
@@ -336,6 +366,24 @@ def test_gather_per_block_equals_eager() -> None:
         for rank in _ranks():
             assert rank[name]["per_block"]["graphs"] == [0, 0, 0]  # nothing was compiled
             assert rank[name]["per_block"]["persistent_with_history"] == 0
+
+
+def test_a_blocks_weights_are_gathered_as_one_group() -> None:
+    """A chain never cuts a block on gathered weights into groups by size (runtime/chain.py,
+    [Note: a block's weights in one group]): with group_numel=0, per-use chains gather one
+    weight per group, and with blocks each block's weights are one group, in both passes;
+    training is the same."""
+    for rank in _ranks():
+        chains = rank["block_chains"]
+        for kind, groups in chains["eager"]["chains"].items():
+            assert all(len(g) == 1 for g in groups), (kind, groups)
+        for kind, groups in chains["per_block"]["chains"].items():
+            for g in groups:  # one block's weights, or one weight outside blocks
+                owners = {f.split(".")[1] if f.startswith("blocks.") else f for f in g}
+                assert len(owners) == 1, (kind, groups)
+            in_blocks = [g for g in groups if g[0].startswith("blocks.")]
+            assert len(in_blocks) == 3 and all(len(g) > 1 for g in in_blocks), (kind, groups)
+        assert chains["per_block"]["losses"] == pytest.approx(chains["eager"]["losses"], rel=1e-5)
 
 
 def test_ranks_using_different_weights_of_a_block_train_exactly() -> None:

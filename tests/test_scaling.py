@@ -213,28 +213,32 @@ def test_blocks_pay_host_time_per_block_not_per_use() -> None:
     assert all(u.host_s == H200.host.use_us_local * 1e-6 for u in root)
 
 
-def test_a_block_computes_once_all_its_weights_have_landed() -> None:
-    """A layer spanning several chain groups computes on the stage of its last group (the
-    earlier ones gather back to back), and reduces its gradients there; in backward a layer
-    re-gathers its weights in its own order."""
-    plan = Plan(GPT_1P36B, H200, Mesh(gtp=2), group_numel=0)  # one weight per group
-    fwd = cut_groups(uses(plan, "gtp_blocks", False), 0)
-    stages = block_stages(plan, fwd, True, False)
-    layer0 = [i for i, g in enumerate(fwd) if g[0].weight.layer == 0]
+def test_a_block_is_one_group_whose_compute_waits_for_all_its_weights() -> None:
+    """A layer on gathered weights computes on the stage of the chain group holding its last
+    weight, and reduces its gradients there; the chain keeps a layer's weights in one group
+    (runtime/chain.py), so the next layer's gathers are in flight while it computes: cut by
+    size instead, its later groups are gathered with nothing to hide them."""
+    plan = Plan(GPT_1P36B, H200, Mesh(gtp=2), group_numel=0)  # by size: one weight a group
+    by_size = cut_groups(uses(plan, "gtp_blocks", False), 0)
+    whole = cut_groups(uses(plan, "gtp_blocks", False), 0, blocks=True)
+    assert (len(by_size), len(whole)) == (122, 26)  # embedding, 24 x 5 or 24, head
+    stages = block_stages(plan, by_size, True, False)
+    layer0 = [i for i, g in enumerate(by_size) if g[0].weight.layer == 0]
     assert [stages[i].compute_s > 0 for i in layer0] == [False] * 4 + [True]
     assert stages[layer0[-1]].compute_s == pytest.approx(
-        sum(u.compute_s for i in layer0 for u in fwd[i])
+        sum(u.compute_s for i in layer0 for u in by_size[i])
     )
-    assert all(s.gather_s > 0 for s in stages)
     bwd = cut_groups(uses(plan, "gtp_blocks", True), 0)
     names = [g[0].weight.name for g in bwd]
     assert names[:3] == ["head", "layers.23.qkv", "layers.23.o"]  # the layer's own order
     back = block_stages(plan, bwd, True, True)
     last23 = max(i for i, g in enumerate(bwd) if g[0].weight.layer == 23)
     assert [s.reduce_s > 0 for s in back[1 : last23 + 1]] == [False] * 4 + [True]
-    # Its gathers wait for each other: more exposed than the per-use chain's
-    blocks, per_use = predict(plan, "gtp_blocks"), predict(plan, "gtp")
-    assert blocks.exposed_comm > per_use.exposed_comm
+    exposed = {
+        cut: simulate([block_stages(plan, groups, True, False)], 1).comm_wait
+        for cut, groups in (("size", by_size), ("whole", whole))
+    }
+    assert exposed["whole"] < exposed["size"] / 2
 
 
 def test_encoded_gathers_move_fewer_bytes() -> None:
@@ -300,7 +304,10 @@ def test_cli_plan_and_scale(tmp_path, capsys) -> None:
         ]
     )
     assert (tmp_path / "weak_gpt_1p36b_h200.png").stat().st_size > 0
-    assert "weak scaling" in (tmp_path / "scaling_gpt_1p36b_h200.md").read_text()
+    assert "weak scaling, gtp bf16" in (tmp_path / "scaling_gpt_1p36b_h200.md").read_text()
+    main(["scale", "--model", "gpt_1p36b", "--cluster", "h200", "--mesh", "gtp=8",
+          "--gpus", "8,16", "--method", "gtp_blocks", "--out", str(tmp_path)])  # fmt: skip
+    assert "weak scaling, gtp_blocks bf16" in (tmp_path / "scaling_gpt_1p36b_h200.md").read_text()
     with pytest.raises(SystemExit, match="ep\\*egtp"):
         main(["--model", "seed280b", "--cluster", "gb200", "--mesh", "gtp=8,ep=64,egtp=2"])
 

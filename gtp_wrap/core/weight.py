@@ -61,7 +61,7 @@ class ShardedWeight:
     __slots__ = (
         "index", "fqns", "geometry", "axis", "param", "encoding", "local", "meta", "runtime",
         "region", "grad_hooks", "grad_state", "pending_grads", "what_gather", "what_reduce",
-        "what_dp", "tp", "replicas", "ep", "unit",
+        "what_dp", "tp", "replicas", "ep", "unit", "block",
     )  # fmt: skip
 
     def __init__(
@@ -100,6 +100,9 @@ class ShardedWeight:
         # An expert stack's layer (its module's FQN): the stacks of one layer are gathered and
         # reduce-scattered as one collective, whatever group_numel says.
         self.unit: str | None = None
+        # The block on gathered weights it belongs to (its name), if any: a chain never cuts a
+        # block's weights into two groups (see [Note: a block's weights in one group]).
+        self.block: str | None = None
 
     @property
     def fqn(self) -> str:

@@ -226,7 +226,11 @@ class GTPEngine:
                 )
         self.owners.take_block(block)
         name = self.owners.name(block)
-        block.forward = GatheredBlock(name, block, forward, self.uses, self.owners)
+        gathered = GatheredBlock(name, block, forward, self.uses, self.owners)
+        for w in gathered.members.sharded:
+            w.block = name  # see [Note: a block's weights in one group], runtime/chain.py
+        self.passes.chains.clear()  # cut anew as the next passes record (every rank alike)
+        block.forward = gathered
         self._gathered_blocks.append(block)
 
     # ---- the pass lifecycle -------------------------------------------------------------

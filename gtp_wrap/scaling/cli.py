@@ -71,6 +71,12 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="strong scaling's sequences per step (default: the batch x 1024)",
     )
+    s.add_argument(
+        "--method",
+        default="gtp",
+        choices=("gtp", "gtp_blocks", "fsdp2"),
+        help="gtp_blocks: blocks on gathered weights, as gtp-train runs them",
+    )
     s.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare", help="GTP against FSDP2 and TP; gather dtypes against bandwidth")
     _plan_args(c, mesh_required=False)
@@ -156,8 +162,9 @@ def cmd_scale(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{plan.cfg.name}_{plan.cluster.name}"
     global_batch = args.global_batch or plan.batch * 1024
-    weak = {f"gtp {plan.precision.gather}": scale.weak(plan, gpus)}
-    strong = {f"gtp {plan.precision.gather}": scale.strong(plan, global_batch, gpus)}
+    label = f"{args.method} {plan.precision.gather}"
+    weak = {label: scale.weak(plan, gpus, args.method)}
+    strong = {label: scale.strong(plan, global_batch, gpus, args.method)}
     text = [
         f"## Scaling of {plan.cfg.name} on {plan.cluster.name}"
         f"{' (nominal)' if plan.cluster.nominal else ''}, base mesh {plan.mesh.label()}, "

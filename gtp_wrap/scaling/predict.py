@@ -294,10 +294,11 @@ def expert_all_to_all_s(plan: Plan) -> float:
     return collective_s(cl, "all_to_all", nbytes, mesh.group("ep", cl.gpus_per_node))
 
 
-def cut_groups(order: list[Use], group_numel: int) -> list[list[Use]]:
+def cut_groups(order: list[Use], group_numel: int, blocks: bool = False) -> list[list[Use]]:
     """The engine's cut of a chain (`runtime/chain.py`, Chain.build): close a group once its
-    weights reach `group_numel` elements, never inside a layer's expert stacks, and before
-    a weight of the other axis (dense or expert)."""
+    weights reach `group_numel` elements, never inside a layer's expert stacks (nor, with
+    `blocks`, inside a layer: a block on gathered weights), and before a weight of the other
+    axis (dense or expert)."""
     groups: list[list[Use]] = [[]]
     size = 0.0
     for i, use in enumerate(order):
@@ -307,7 +308,8 @@ def cut_groups(order: list[Use], group_numel: int) -> list[list[Use]]:
         nxt = order[i + 1].weight if i + 1 < len(order) else None
         if nxt is None:
             break
-        unit = w.kind == "expert" == nxt.kind and nxt.layer == w.layer
+        same_layer = nxt.layer == w.layer >= 0
+        unit = same_layer and (blocks or w.kind == "expert" == nxt.kind)
         if (nxt.kind == "expert") != (w.kind == "expert") or (size >= group_numel and not unit):
             groups.append([])
             size = 0.0
@@ -355,10 +357,11 @@ def block_stages(plan: Plan, groups: list[list[Use]], gathers: bool, reduces: bo
     re-gathers them together at its first saved weight (in the layer's own order) and hands
     their gradients to the reduction when its backward ends. So a layer's compute and launches
     sit on the stage of the chain group that holds its last weight of the pass, and its
-    reductions are issued there, cut into groups as the engine cuts them; a group that only
-    starts a layer has nothing to compute, so the gathers of a layer spanning several groups
-    follow each other, with only the first one prefetched under the previous layer's compute
-    (prefetch_depth 1). The root's weights (embedding, head) stay per use."""
+    reductions are issued there, cut into groups by size as the reducer cuts them. The chain
+    keeps a layer's weights in one group (runtime/chain.py, [Note: a block's weights in one
+    group]) but where its axes differ (dense, then expert stacks): a group that only starts a
+    layer has nothing to compute, and the layer's next group is gathered right after it. The
+    root's weights (embedding, head) stay per use."""
     share, host = plan.share, plan.host_share
     last: dict[int, int] = {}  # layer -> the group holding its last use of the pass
     for i, g in enumerate(groups):
@@ -475,9 +478,10 @@ def predict(plan: Plan, method: Method = "gtp") -> Prediction:
     engine = method != "floor"
     gathers = engine and mesh.gtp * mesh.egtp > 1
     reduces = engine and mesh.world > 1
-    fwd = cut_groups(uses(plan, method, False, engine), plan.group_numel)
-    bwd = cut_groups(uses(plan, method, True, engine), plan.group_numel)
-    build = block_stages if method == "gtp_blocks" else stages
+    blocks = method == "gtp_blocks"
+    fwd = cut_groups(uses(plan, method, False, engine), plan.group_numel, blocks)
+    bwd = cut_groups(uses(plan, method, True, engine), plan.group_numel, blocks)
+    build = block_stages if blocks else stages
     contended = gathers or reduces
     timeline = simulate(
         [build(plan, fwd, gathers, False), build(plan, bwd, gathers, reduces)],
