@@ -38,9 +38,10 @@ synchronized at the end of each round: the layers are too small for their kernel
 the step waits for. Beside it, a GPU run reports the same from the process's CPU time
 (`time.process_time`, every thread: autograd runs a CUDA backward on a thread of its own). On
 the H200 host the two read the same within 4 % (`results/cpu_time_1204/`): what moves the
-per-use time between hosts (25.6 to 87.6 us for one tree) is how fast the host runs, not time
-its threads wait for other tenants' cores. "Per use" divides the step's extra time by two uses
-per weight: its forward use and its re-gather in backward. Each figure is the fastest of
+per-use time between hosts (25.6 to 87.6 us for one tree) is how fast the host's cores run the
+work (their clock, or caches and memory shared with other tenants: these figures cannot tell
+which), not time its threads wait for a core. "Per use" divides the step's extra time by two
+uses per weight: its forward use and its re-gather in backward. Each figure is the fastest of
 `--rounds` rounds of `--steps` steps, with the garbage collector held off inside a round (as
 `timeit` does).
 """

@@ -11,12 +11,13 @@ step is host-bound, so the host's time per phase is what the step is made of (th
 synchronized once per step, after it). `step_cpu` is the process's CPU time over the four
 phases (every thread's: a GPU's backward runs on autograd's own thread), without the wait for
 the device after them: what the host worked for the step. On the H200 host it read within 2 %
-of the step's wall time for every method (`results/cpu_time_1204/`): the host's speed, not time
-lost to its other tenants, is what moves steps between calls. Besides, the engine functions of
-`TIMED` are timed where they run (on the autograd thread too, where a GPU's backward runs
-them), so their share of each phase is read without a profiler, whose own overhead grows with
-the Python it traces. Each figure is the smallest, over the rounds, of a round's median per
-step.
+of the step's wall time for every method (`results/cpu_time_1204/`): its threads are not kept
+waiting for a core; what moves steps between calls is how fast the host's cores run the work
+(their clock, or caches and memory shared with other tenants: these figures cannot tell which).
+Besides, the engine functions of `TIMED` are timed where they run (on the autograd thread too,
+where a GPU's backward runs them), so their share of each phase is read without a profiler,
+whose own overhead grows with the Python it traces. Each figure is the smallest, over the
+rounds, of a round's median per step.
 
 With `--baseline TREE` (a checkout of another commit, e.g. `git worktree add /tmp/base HEAD~3`)
 each gtp method also runs on that tree's gtp_wrap, imported beside this one as

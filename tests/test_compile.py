@@ -265,10 +265,44 @@ def _block_alone() -> dict:
             "left_open": [after_raise, after_failed_open, left_open()]}  # fmt: skip
 
 
+class _Looped(torch.nn.Module):
+    """One block called twice a forward: the same weights at two depths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = torch.nn.Sequential(
+            torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16)
+        )
+        self.blocks = torch.nn.ModuleList([block])
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = self.blocks[0](x)
+        return self.head(x)
+
+
+def _groups(model: torch.nn.Module) -> dict[str, list[list[str]]]:
+    """Per pass kind, the recorded chain's groups as lists of weight names."""
+    engine = engine_of(model)
+    chains = {}
+    for (kind, _, _), chain in engine.passes.chains.items():
+        groups: dict[int, list[str]] = {}
+        for position, index in enumerate(chain.order):
+            groups.setdefault(chain.group_of[position], []).append(engine.weights[index].fqn)
+        chains[kind.value] = list(groups.values())
+    return chains
+
+
 def _block_chains() -> dict:
     """group_numel=0 (a collective per weight), per use and with blocks on gathered weights:
-    the chains' groups (weight names per group, per pass kind) and the losses of 3 steps."""
-    out = {}
+    the chains' groups (weight names per group, per pass kind) and the losses of 3 steps; and
+    the groups of a block called twice a pass."""
+    torch.manual_seed(0)
+    looped = gtp_wrap.gather_per_block(GTPWrap(_Looped(), {**POLICY, "group_numel": 0}))
+    for _ in range(2):
+        looped(torch.randn(3, 16)).sum().backward()
+    out: dict = {"looped": _groups(looped)}
     for mode in ("eager", "per_block"):
         torch.manual_seed(0)
         model = GTPWrap(_gpt(), {**POLICY, "group_numel": 0})
@@ -283,14 +317,7 @@ def _block_chains() -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        engine = engine_of(model)
-        chains = {}
-        for (kind, _, _), chain in engine.passes.chains.items():
-            groups: dict[int, list[str]] = {}
-            for position, index in enumerate(chain.order):
-                groups.setdefault(chain.group_of[position], []).append(engine.weights[index].fqn)
-            chains[kind.value] = list(groups.values())
-        out[mode] = {"losses": losses, "chains": chains}
+        out[mode] = {"losses": losses, "chains": _groups(model)}
     return out
 
 
@@ -372,9 +399,14 @@ def test_a_blocks_weights_are_gathered_as_one_group() -> None:
     """A chain never cuts a block on gathered weights into groups by size (runtime/chain.py,
     [Note: a block's weights in one group]): with group_numel=0, per-use chains gather one
     weight per group, and with blocks each block's weights are one group, in both passes;
-    training is the same."""
+    training is the same. A block called twice a pass is two groups, one per call."""
     for rank in _ranks():
         chains = rank["block_chains"]
+        for mode in ("eager", "per_block"):
+            assert set(chains[mode]["chains"]) == {"forward", "backward"}
+        calls = ["blocks.0.0.weight", "blocks.0.2.weight"]
+        assert chains["looped"]["forward"] == [calls, calls, ["head.weight"]]
+        assert chains["looped"]["backward"] == [["head.weight"], calls, calls]
         for kind, groups in chains["eager"]["chains"].items():
             assert all(len(g) == 1 for g in groups), (kind, groups)
         for kind, groups in chains["per_block"]["chains"].items():

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from gtp_wrap.scaling import Mesh, Plan, Precision, load_cluster, predict
-from gtp_wrap.scaling.baselines import predict_method
 from gtp_wrap.scaling.chain import Stage, simulate
 from gtp_wrap.scaling.cli import main
 from gtp_wrap.scaling.cluster import ClusterError
@@ -20,7 +19,7 @@ from gtp_wrap.scaling.mesh import Group, MeshError
 from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig, model_by_name
 from gtp_wrap.scaling.precision import PrecisionError
 from gtp_wrap.scaling.predict import PlanError, block_stages, cut_groups, uses
-from gtp_wrap.scaling.validate import TARGET, check, plan_of, predicted_ms
+from gtp_wrap.scaling.validate import TARGET, check, predicted_ms
 
 H200 = load_cluster("h200")
 
@@ -33,20 +32,17 @@ def test_calibration_runs_are_reproduced(name: str) -> None:
         assert abs(c.error) <= TARGET, f"{c.label()}: {c.error:+.1%}"
 
 
-def test_held_out_graphed_h200_steps_within_target() -> None:
-    """The steps without host noise (graphed, or where the model has the host hidden behind
-    the device: its wait for the host under 10 % of the step) are held out and within 10 %;
-    host-bound steps move with the host's speed and are only reported (125M at batch 4 is
-    still a quarter host-bound for the engine on blocks: `results/blocks_1204/`)."""
-    steady = []
-    for c in check(H200):
-        if c.calibration:
-            continue
-        plan, method = plan_of(H200, c.run)
-        pred = predict_method(plan, method)
-        if c.run["method"].endswith("_graph") or pred.host <= 0.1 * pred.step:
-            steady.append(c)
-    assert len(steady) >= 40
+def test_held_out_graphed_and_batch8_h200_steps_within_target() -> None:
+    """The steps the host's speed does not set are held out and within 10 %: every graphed
+    step (it replays without host work per use) and every step at batch 8, 68 of them. Eager
+    steps at batch 1 move with the host, and at 125M so does batch 4 (one of its 15 steps is
+    off by more: gtp_blocks, which the model has a quarter host-bound); those are reported."""
+    steady = [
+        c
+        for c in check(H200)
+        if not c.calibration and (c.run["method"].endswith("_graph") or c.run["batch"] >= 8)
+    ]
+    assert len(steady) == 68
     for c in steady:
         assert abs(c.error) <= TARGET, f"{c.label()}: {c.error:+.1%}"
 
@@ -266,6 +262,12 @@ def test_errors_name_the_cause() -> None:
         load_cluster("tpu")
     with pytest.raises(ValueError, match="heads"):
         ModelConfig("bad", vocab=8, d=10, layers=1, heads=3, ffn=8)
+    # a calibration made before host.block_us existed predicts all but gtp_blocks
+    older = dataclasses.replace(H200, host=dataclasses.replace(H200.host, block_us=None))
+    plan = Plan(GPT_1P36B, older, Mesh(gtp=2))
+    assert predict(plan, "gtp").step == predict(dataclasses.replace(plan, cluster=H200)).step
+    with pytest.raises(PlanError, match="calibrate.py"):
+        predict(plan, "gtp_blocks")
 
 
 def test_cli_plan_and_scale(tmp_path, capsys) -> None:

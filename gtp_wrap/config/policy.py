@@ -153,7 +153,8 @@ class GTPPolicy:
             block's weights in one group] in runtime/chain.py).
         group_numel: consecutive uses along a chain are gathered as one collective until their
             full weights reach this many elements, and weight gradients are reduce-scattered the
-            same way; 0 issues one collective per weight. Collectives of a few MB are latency-bound,
+            same way; 0 issues one collective per weight (a block on gathered weights is one group
+            whatever it says). Collectives of a few MB are latency-bound,
             so grouping moves the same bytes sooner and launches fewer (see [Note: grouped gathers]
             in runtime/chain.py); memory held by gathered weights grows with the group.
         pad_for_alignment: start every shard at a 128-byte boundary of the flat storage, so

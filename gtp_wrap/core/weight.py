@@ -100,9 +100,10 @@ class ShardedWeight:
         # An expert stack's layer (its module's FQN): the stacks of one layer are gathered and
         # reduce-scattered as one collective, whatever group_numel says.
         self.unit: str | None = None
-        # The block on gathered weights it belongs to (its name), if any: a chain never cuts a
-        # block's weights into two groups (see [Note: a block's weights in one group]).
-        self.block: str | None = None
+        # The block on gathered weights it belongs to and its place among the block's weights
+        # (the order a block call gathers them in), if any: a chain never cuts one call of a
+        # block into two groups (see [Note: a block's weights in one group]).
+        self.block: tuple[str, int] | None = None
 
     @property
     def fqn(self) -> str:

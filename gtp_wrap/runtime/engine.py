@@ -227,8 +227,8 @@ class GTPEngine:
         self.owners.take_block(block)
         name = self.owners.name(block)
         gathered = GatheredBlock(name, block, forward, self.uses, self.owners)
-        for w in gathered.members.sharded:
-            w.block = name  # see [Note: a block's weights in one group], runtime/chain.py
+        for place, w in enumerate(gathered.members.sharded):
+            w.block = (name, place)  # see [Note: a block's weights in one group], chain.py
         self.passes.chains.clear()  # cut anew as the next passes record (every rank alike)
         block.forward = gathered
         self._gathered_blocks.append(block)

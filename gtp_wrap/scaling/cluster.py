@@ -90,17 +90,18 @@ class Host:
     `layer_us` per layer of the plain model (forward and backward), `step_us` per step
     (loss, optimizer, zero_grad), `use_us_local` per weight use of a GTP group of one,
     `use_us` per weight use of a sharded group (its collectives' launches included),
-    `block_us` per block on gathered weights per step (a group of one: its gathers cost
-    `use_us - use_us_local` each beside it), and `fsdp2_block_us` per FSDP2 module group per
-    step."""
+    `fsdp2_block_us` per FSDP2 module group per step, and `block_us` per block on gathered
+    weights per step (a group of one: its gathers cost `use_us - use_us_local` each beside
+    it; None in a calibration made before it was measured, which predicts every method but
+    gtp_blocks)."""
 
     layer_us: float
     step_us: float
     use_us_local: float
     use_us: float
     graph_step_us: float
-    block_us: float
     fsdp2_block_us: float
+    block_us: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -226,6 +226,12 @@ def uses(plan: Plan, method: Method, backward: bool, comm: bool = True) -> list[
     m = plan.tokens
     sharded = mesh.gtp * mesh.egtp > 1
     blocks = method == "gtp_blocks"
+    if blocks and cl.host.block_us is None:
+        raise PlanError(
+            f"cluster {cl.name!r} has no host.block_us (its calibration predates gtp_blocks): "
+            "re-run benchmarks/calibrate.py on that machine, or predict --method gtp"
+        )
+    block_us = cl.host.block_us or 0.0
     out = []
     for w, gathered in pass_order(cfg, backward, blocks):
         full = local_full_numel(w, mesh)
@@ -252,7 +258,7 @@ def uses(plan: Plan, method: Method, backward: bool, comm: bool = True) -> list[
             # intercepted use each; the block's call costs `block_us` a step.
             host += (cl.host.use_us - cl.host.use_us_local) * 1e-6 if sharded else 0.0
             if w.name.endswith(".o"):
-                host += cl.host.block_us * 1e-6 / 2
+                host += block_us * 1e-6 / 2
         elif method in ("gtp", "gtp_blocks"):
             compute += engine_s(plan, w, full, backward, sharded) if gathered else 0.0
             host += (cl.host.use_us if sharded else cl.host.use_us_local) * 1e-6
@@ -357,7 +363,8 @@ def block_stages(plan: Plan, groups: list[list[Use]], gathers: bool, reduces: bo
     re-gathers them together at its first saved weight (in the layer's own order) and hands
     their gradients to the reduction when its backward ends. So a layer's compute and launches
     sit on the stage of the chain group that holds its last weight of the pass, and its
-    reductions are issued there, cut into groups by size as the reducer cuts them. The chain
+    reductions are issued there, cut into groups by size within the layer (the reducer carries
+    a group on across layers; the root's uses are reduced one by one here). The chain
     keeps a layer's weights in one group (runtime/chain.py, [Note: a block's weights in one
     group]) but where its axes differ (dense, then expert stacks): a group that only starts a
     layer has nothing to compute, and the layer's next group is gathered right after it. The
