@@ -213,7 +213,8 @@ def test_a_block_is_one_group_whose_compute_waits_for_all_its_weights() -> None:
     """A layer on gathered weights computes on the stage of the chain group holding its last
     weight, and reduces its gradients there; the chain keeps a layer's weights in one group
     (runtime/chain.py), so the next layer's gathers are in flight while it computes: cut by
-    size instead, its later groups are gathered with nothing to hide them."""
+    size and prefetched one group ahead instead, its later groups are gathered with nothing
+    to hide them."""
     plan = Plan(GPT_1P36B, H200, Mesh(gtp=2), group_numel=0)  # by size: one weight a group
     by_size = cut_groups(uses(plan, "gtp_blocks", False), 0)
     whole = cut_groups(uses(plan, "gtp_blocks", False), 0, blocks=True)
@@ -230,11 +231,26 @@ def test_a_block_is_one_group_whose_compute_waits_for_all_its_weights() -> None:
     back = block_stages(plan, bwd, True, True)
     last23 = max(i for i, g in enumerate(bwd) if g[0].weight.layer == 23)
     assert [s.reduce_s > 0 for s in back[1 : last23 + 1]] == [False] * 4 + [True]
-    exposed = {
-        cut: simulate([block_stages(plan, groups, True, False)], 1).comm_wait
-        for cut, groups in (("size", by_size), ("whole", whole))
-    }
-    assert exposed["whole"] < exposed["size"] / 2
+    # cut by size and prefetched one group ahead, as the engine was: the later groups exposed
+    one_ahead = [dataclasses.replace(s, reach=-1) for s in block_stages(plan, by_size, True, False)]
+    exposed = simulate([block_stages(plan, whole, True, False)], 1).comm_wait
+    assert exposed < simulate([one_ahead], 1).comm_wait / 2
+
+
+def test_a_moe_blocks_groups_are_prefetched_together() -> None:
+    """A mixture-of-experts layer on gathered weights is two groups (dense weights, then the
+    expert stacks over egtp); the prefetch reaches to the end of the next layer, so both are
+    in flight under the layer before, where one group ahead would leave the second exposed."""
+    moe = ModelConfig("moe", vocab=1000, d=1024, layers=4, heads=8, ffn=2048, experts=8,
+                      top_k=2, moe_ffn=1024, seq=2048)  # fmt: skip
+    plan = Plan(moe, H200, Mesh(gtp=2, egtp=2), group_numel=0)
+    groups = cut_groups(uses(plan, "gtp_blocks", False), 0, blocks=True)
+    assert [len(g) for g in groups] == [1] + [2] * 8 + [1]
+    stages = block_stages(plan, groups, True, False)
+    assert [s.reach for s in stages] == [2, 4, 4, 6, 6, 8, 8, -1, -1, -1]
+    one_ahead = [dataclasses.replace(s, reach=-1) for s in stages]
+    assert simulate([stages], 1).comm_wait < simulate([one_ahead], 1).comm_wait / 5
+    assert simulate([stages], 0).comm_wait == simulate([one_ahead], 0).comm_wait
 
 
 def test_encoded_gathers_move_fewer_bytes() -> None:

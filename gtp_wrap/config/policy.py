@@ -149,8 +149,9 @@ class GTPPolicy:
             collective's fixed latency (~150 us on NVLink below 1 MB) alone: consecutive
             weights along a chain are gathered as one collective, up to `group_numel`.
         prefetch_depth: how many groups of gathers along the chain are in flight ahead of the
-            current use's group. A block on gathered weights is one group (see [Note: a
-            block's weights in one group] in runtime/chain.py).
+            current use's group. A block on gathered weights is one group, and any depth but
+            0 also prefetches the whole next block (see [Note: a block's weights in one group]
+            in runtime/chain.py).
         group_numel: consecutive uses along a chain are gathered as one collective until their
             full weights reach this many elements, and weight gradients are reduce-scattered the
             same way; 0 issues one collective per weight (a block on gathered weights is one group

@@ -61,6 +61,10 @@ class Chain:
     order: tuple[int, ...]
     group_of: tuple[int, ...]  # per position: the index of its group
     group_stop: tuple[int, ...]  # per group: the position after its last use
+    # Per position: the last group the prefetch may issue while that use is the latest, beyond
+    # `prefetch_depth` groups: the end of the next block call (-1: none ahead). See [Note: a
+    # block's weights in one group].
+    reach: tuple[int, ...]
 
     @classmethod
     def build(cls, order: list[int], weights: list[ShardedWeight], group_numel: int) -> Chain:
@@ -79,12 +83,15 @@ class Chain:
         FSDP2 prefetches the next module's. The cost: a group of at least a block, gathered
         ahead while the current block's are held (a block held them all anyway). A block whose
         weights lie on two axes (dense weights, then expert stacks over egtp) is still cut
-        where the axis changes, so its later groups are gathered as it starts; and a weight
-        that two blocks share carries the last one's place, so the other may be cut beside it
-        (performance only: the cut is the same on every rank). The cost
-        model (`gtp-plan --method gtp_blocks`) put the cut by size at 83.1 ms per graphed 1.36B
-        step on 8 H200s with prefetch_depth 1 (63.8 per use), and this cut at 62.9; eager at
-        batch 1 on 2, 99.1 against 95.2 ms. Not measured: no two GPUs were lent."""
+        where the axis changes, so the prefetch also reaches, whatever `prefetch_depth` says,
+        to the end of the next block call (`reach`): its expert stacks are in flight with its
+        dense weights. A weight that two blocks share carries the last one's place, so the
+        other may be cut beside it (performance only: the cut is the same on every rank). The
+        cost model (`gtp-plan --method gtp_blocks`) put the cut by size at 83.1 ms per graphed
+        1.36B step on 8 H200s with prefetch_depth 1 (63.8 per use), and this cut at 62.9;
+        eager at batch 1 on 2, 99.1 against 95.2 ms; the seed's 280B MoE at GTP16, EP8, EGTP2
+        (graphed), 3087 ms with one group ahead against 2672 with the next block's. Not
+        measured: no two GPUs were lent."""
         group_of: list[int] = []
         group_stop: list[int] = []
         size = 0
@@ -99,11 +106,33 @@ class Chain:
             if nxt is None or nxt.axis is not w.axis or (size >= group_numel and not inside):
                 group_stop.append(position + 1)
                 size = 0
-        return cls(tuple(order), tuple(group_of), tuple(group_stop))
+        return cls(
+            tuple(order), tuple(group_of), tuple(group_stop), _reach(order, weights, group_of)
+        )
 
     def rest_of_group(self, position: int) -> range:
         """The positions from `position` to the end of its group."""
         return range(position, self.group_stop[self.group_of[position]])
+
+
+def _reach(order: list[int], weights: list[ShardedWeight], group_of: list[int]) -> tuple[int, ...]:
+    """Per position, the group holding the last use of the first block call that starts after
+    the position's own call (or after it, for a use outside blocks); -1 where none follows."""
+    ends: list[tuple[int, int]] = []  # (first position, last position) of each block call
+    for position, index in enumerate(order):
+        w = weights[index]
+        prev = weights[order[position - 1]] if position else None
+        if w.block is not None and (prev is None or not _same_block_call(prev, w)):
+            ends.append((position, position))
+        elif w.block is not None:
+            ends[-1] = (ends[-1][0], position)
+    reach = []
+    call = 0  # the first call that starts after the current position's own
+    for position in range(len(order)):
+        while call < len(ends) and ends[call][0] <= position:
+            call += 1
+        reach.append(group_of[ends[call][1]] if call < len(ends) else -1)
+    return tuple(reach)
 
 
 def _same_block_call(w: ShardedWeight, nxt: ShardedWeight) -> bool:
@@ -160,13 +189,18 @@ class PassState:
 
     def next_to_prefetch(self, depth: int) -> range | None:
         """The next group to issue, if fewer than `depth` groups are in flight beyond the group
-        of the use just made."""
-        if self.chain is None or self.diverged or self.issued >= len(self.chain.order):
+        of the use just made, or, prefetching at all, it ends no later than the next block call
+        (`Chain.reach`)."""
+        chain = self.chain
+        if chain is None or self.diverged or self.issued >= len(chain.order):
             return None
-        group_of = self.chain.group_of
-        if group_of[self.issued] - group_of[self.cursor - 1] > depth:
+        latest = self.cursor - 1
+        limit = chain.group_of[latest] + depth
+        if depth:
+            limit = max(limit, chain.reach[latest])
+        if chain.group_of[self.issued] > limit:
             return None
-        return self.chain.rest_of_group(self.issued)
+        return chain.rest_of_group(self.issued)
 
     def followed_chain(self) -> bool:
         """Whether the pass used exactly the recorded chain (so nothing needs recording)."""

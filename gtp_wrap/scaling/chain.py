@@ -31,6 +31,7 @@ class Stage:
     host_s: float = 0.0
     reduce_s: float = 0.0
     inline_s: float = 0.0
+    reach: int = -1  # the last stage whose gather it issues beyond `depth` (the next block's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +121,11 @@ def simulate(
                     comm_wait += start - compute
                 else:
                     host_wait += start - compute
-            # The group's first use issues the gathers up to `depth` groups ahead; they queue
-            # behind the collectives already issued.
-            while len(landed) < min(len(stages), g + depth + 1):
+            # The group's first use issues the gathers up to `depth` groups ahead (and, if it
+            # prefetches at all, to the end of the next block); they queue behind the
+            # collectives already issued.
+            ahead = max(g + depth, stage.reach) if depth else g
+            while len(landed) < min(len(stages), ahead + 1):
                 landed.append(issue(start, stages[len(landed)].gather_s))
             end = _slowed(start, work, busy, contention_compute)
             own += stage.compute_s

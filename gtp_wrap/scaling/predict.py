@@ -366,9 +366,9 @@ def block_stages(plan: Plan, groups: list[list[Use]], gathers: bool, reduces: bo
     reductions are issued there, cut into groups by size within the layer (the reducer carries
     a group on across layers; the root's uses are reduced one by one here). The chain
     keeps a layer's weights in one group (runtime/chain.py, [Note: a block's weights in one
-    group]) but where its axes differ (dense, then expert stacks): a group that only starts a
-    layer has nothing to compute, and the layer's next group is gathered right after it. The
-    root's weights (embedding, head) stay per use."""
+    group]) but where its axes differ (dense, then expert stacks), and prefetches to the end
+    of the next layer: a group that only starts a layer has nothing to compute. The root's
+    weights (embedding, head) stay per use."""
     share, host = plan.share, plan.host_share
     last: dict[int, int] = {}  # layer -> the group holding its last use of the pass
     for i, g in enumerate(groups):
@@ -393,6 +393,14 @@ def block_stages(plan: Plan, groups: list[list[Use]], gathers: bool, reduces: bo
         for layer, block in by_layer.items():
             cuts = cut_groups(block, plan.group_numel)
             reduce[last[layer]] += sum(group_comm_s(plan, c, "reduce_scatter") for c in cuts)
+    # The prefetch reaches to the end of the next layer (runtime/chain.py, Chain.reach).
+    first = {layer: min(i for i, g in enumerate(groups) for u in g if u.weight.layer == layer)
+             for layer in last}  # fmt: skip
+    starts = sorted((i, layer) for layer, i in first.items())
+
+    def reach(i: int) -> int:
+        return next((last[layer] for start, layer in starts if start > i), -1)
+
     return [
         Stage(
             gather_s=group_comm_s(plan, g, "all_gather") if gathers else 0.0,
@@ -400,6 +408,7 @@ def block_stages(plan: Plan, groups: list[list[Use]], gathers: bool, reduces: bo
             host_s=0.0 if plan.graphed else host * hosts[i],
             reduce_s=reduce[i],
             inline_s=inline[i],
+            reach=reach(i),
         )
         for i, g in enumerate(groups)
     ]
