@@ -315,18 +315,24 @@ def test_a_peer_failing_before_the_token_exchange_is_named() -> None:
 
 
 def _chains_of_small_groups(rank: int, world: int) -> dict:
-    """group_numel=0 (a collective per weight) still gathers a layer's stacks as one."""
+    """group_numel=0 (a collective per weight) still gathers a layer's stacks as one; and how
+    far each use's prefetch reaches (the MoE layers run on gathered weights)."""
     torch.manual_seed(0)
     model = GTPWrap(GPT(CFG), {**POLICY, "group_numel": 0})
     for step in range(2):
         _loss(model, _batch(step)).backward()
     engine = engine_of(model)
-    out = {}
+    out: dict = {"reach": {}}
     for key, chain in engine.passes.chains.items():
         groups: dict[int, list[str]] = {}
         for position, index in enumerate(chain.order):
             groups.setdefault(chain.group_of[position], []).append(engine.weights[index].fqn)
         out[str(key[0])] = [g for g in groups.values() if any(".experts." in f for f in g)]
+        # per use: (weight, its group, the last group of the block call its prefetch reaches)
+        out["reach"][key[0].value] = [
+            (engine.weights[index].fqn, chain.group_of[p], chain.reach[p])
+            for p, index in enumerate(chain.order)
+        ]
     return out
 
 
@@ -334,9 +340,29 @@ def _batch(seed: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
 
 
+def test_a_moe_block_prefetches_the_whole_next_block() -> None:
+    """Each MoE layer runs on gathered weights and is three groups (router, expert stacks over
+    egtp, shared expert); while one runs, the prefetch reaches to the end of the next one's
+    call (runtime/chain.py, Chain.reach), in both passes; after the last, nothing more."""
+    for r in cached_ranks(_chains_of_small_groups, 2):
+        for kind, uses in r["reach"].items():
+            group = {name: g for name, g, _ in uses}
+            last_of = {i: group[f"blocks.{i}.mlp.shared.down.weight"] for i in (0, 1)}
+            first, second = (0, 1) if kind == "forward" else (1, 0)
+            for name, _, reach in uses:
+                if name.startswith(f"blocks.{first}.mlp."):
+                    assert reach == last_of[second], (kind, name)
+                if name.startswith(f"blocks.{second}.mlp."):
+                    assert reach == -1, (kind, name)
+            stacks = [g for name, g, _ in uses if ".experts." in name]
+            assert len(set(stacks)) == 2  # a layer's two stacks, one group
+
+
 def test_a_layers_expert_stacks_are_one_collective_whatever_group_numel() -> None:
     for r in cached_ranks(_chains_of_small_groups, 2):
-        for groups in r.values():
+        for key, groups in r.items():
+            if key == "reach":
+                continue
             assert sorted(sorted(g) for g in groups) == [
                 [f"blocks.{i}.mlp.experts.down", f"blocks.{i}.mlp.experts.gate_up"] for i in (0, 1)
             ]
