@@ -19,6 +19,16 @@ where a GPU's backward runs them), so their share of each phase is read without 
 whose own overhead grows with the Python it traces. Each figure is the smallest, over the
 rounds, of a round's median per step.
 
+With `--fake-world N` the step runs at a world of N whose collectives are faked (torch's
+"fake" process-group backend: every collective returns at once and moves nothing), on one
+device: the engine's whole path for N ranks (gathers issued and waited for, saved weights
+rematerialized, gradients reduce-scattered, FSDP2's copy-in and copy-out) without a second
+GPU. At batch 1 the step is host-bound and the collectives' device time small (see
+[Note: a faked world]), so this is the host side of an N-GPU step, the one no one-GPU run
+shows. Rank 0 measures on the GPU (or CPU); the other ranks run the same wrap and warm-up steps
+on CPU at a short sequence, which is all the engine asks of its peers (the agreement checks at
+wrap and when a chain is recorded, through the store), then wait for rank 0.
+
 With `--baseline TREE` (a checkout of another commit, e.g. `git worktree add /tmp/base HEAD~3`)
 each gtp method also runs on that tree's gtp_wrap, imported beside this one as
 `gtp_wrap_baseline`, as `<method>@base`: both trees' methods take turns, round by round, in
@@ -31,7 +41,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import functools
+import gc
 import importlib
 import importlib.util
 import json
@@ -44,11 +56,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from bench_step import MODELS, _build, batch_of, clear_grads
 
 import gtp_wrap
-from gtp_wrap.app.launch import launch
+from gtp_wrap.app.launch import _free_port, launch
 from gtp_wrap.app.model import GPTConfig
 
 MODELS = {**MODELS, "tiny": GPTConfig(vocab=256, d=64, layers=12, heads=4, ffn=128, max_seq=64)}
@@ -129,15 +143,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def measure(args: argparse.Namespace, device: torch.device, world: int = 1) -> dict[str, Any]:
     cfg = MODELS[args.model]
     base = load_baseline(args.baseline) if args.baseline else None
     timers = Timers([gtp_wrap] if base is None else [gtp_wrap, base])
     # (model, optimizer, autocast dtype or None) per method
-    built = {m: _build(m, cfg, device, 1, {}, args.fused_adamw) for m in args.methods}
+    built = {m: _build(m, cfg, device, world, {}, args.fused_adamw) for m in args.methods}
     if base is not None:
         for m in [m for m in args.methods if m.startswith("gtp")]:
-            built[f"{m}@base"] = _build(m, cfg, device, 1, {}, args.fused_adamw, base)
+            built[f"{m}@base"] = _build(m, cfg, device, world, {}, args.fused_adamw, base)
     idx = batch_of(cfg, args.batch, args.seq, device)
     x, y = idx[:, :-1], idx[:, 1:]
     best: dict[str, dict[str, float]] = {m: {} for m in built}
@@ -212,21 +226,64 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--fused-adamw", action="store_true")
     ap.add_argument("--baseline", type=Path, default=None, help="another commit's checkout")
+    ap.add_argument("--fake-world", type=int, default=1, metavar="N",
+                    help="a world of N ranks whose collectives are faked (one device)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     args.seq = args.seq or (16 if args.model == "tiny" else 2048)
+    if args.fake_world > 1:
+        if MODELS[args.model].experts:
+            raise SystemExit("--fake-world: a mixture of experts routes on its (faked) weights, "
+                             "so ranks would diverge; use a dense model")
+        port = _free_port()
+        mp.start_processes(_fake_rank, args=(args.fake_world, port, args),
+                           nprocs=args.fake_world, start_method="spawn")  # fmt: skip
+        return
     launch(_rank, 1, args, cpu=not torch.cuda.is_available())
 
 
-def _rank(device: torch.device, args: argparse.Namespace) -> None:
+def _rank(device: torch.device, args: argparse.Namespace, world: int = 1) -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)  # the host's own time, not intra-op threads'
     result = {"command": {k: str(v) for k, v in vars(args).items()}, "device": str(device),
-              **measure(args, device)}  # fmt: skip
+              "world": world, **measure(args, device, world)}  # fmt: skip
     print(table(result))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
+
+
+def _fake_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    """One rank of `--fake-world`: rank 0 measures; the others wrap the same models and run
+    their warm-up steps, so that every agreement check the engine makes finds them, and wait.
+
+    [Note: a faked world] A faked collective moves no data and takes no device time, so its
+    buffers hold whatever they held (the losses mean nothing) and what a real step spends
+    moving bytes is left out: at 125M, batch 1, on NVLink, about 1 ms of gathers and 1.5 ms of
+    fp32 reduce-scatters a step at 300 GB/s, beside a host-bound step of 20-30 ms. The host
+    path is the real one: the same calls, the same waits (on NCCL a wait is a stream wait, as
+    here a no-op), the same buffers and saved-tensor hooks."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                          timeout=datetime.timedelta(hours=2))  # fmt: skip
+    dist.init_process_group("fake", rank=rank, world_size=world, store=store)
+    torch.set_flush_denormal(True)  # faked buffers may hold denormals, slow on CPU
+    try:
+        if rank == 0:
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(0)
+            _rank(torch.device("cuda", 0) if cuda else torch.device("cpu"), args, world)
+            store.set("step_phases/done", "1")
+        else:
+            torch.set_num_threads(1)
+            peer = argparse.Namespace(**{**vars(args), "seq": 16, "rounds": 1, "steps": 1})
+            measure(peer, torch.device("cpu"), world)
+            store.wait(["step_phases/done"])
+    finally:
+        gc.collect()  # a wrapped model holds the group (see gtp_wrap.app.launch)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -165,6 +165,26 @@ def test_step_phases_times_each_phase_and_the_engines_functions(tmp_path: Path) 
     assert "| BlockWeights.backward |" in proc.stdout
 
 
+def test_step_phases_in_a_faked_world_runs_the_engines_gathers(tmp_path: Path) -> None:
+    """--fake-world 2: the world-of-two path on one device, collectives faked: every sharded
+    weight of the tiny GPT (5 per block, 12 blocks, the embedding and head, 62 in all) is
+    gathered once in forward and once more in backward (all but the embedding, whose
+    backward needs only its indices), FSDP2 runs beside it, and the peer rank only warms up."""
+    out = tmp_path / "phases.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/step_phases.py"), "--rounds", "1",
+           "--warmup", "2", "--steps", "2", "--methods", "floor", "gtp_blocks", "fsdp2",
+           "--fake-world", "2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == 2 and list(result["ms"]) == ["floor", "gtp_blocks", "fsdp2"]
+    calls = result["calls_per_step"]["gtp_blocks"]
+    assert calls["Gatherer.gather"] == 62 + 61
+    assert calls["GradReducer.reduce_grad"] == 62
+    assert calls["BlockWeights.forward"] == calls["BlockWeights.backward"] == 12
+    assert all(result["ms"][m]["step"] > 0 for m in result["ms"])
+
+
 def _python_calls(rank: int, world: int) -> dict[str, list[float]]:
     ho = _benchmark_module("host_overhead")
     x = torch.randn(4, 16)
