@@ -226,15 +226,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--fused-adamw", action="store_true")
     ap.add_argument("--baseline", type=Path, default=None, help="another commit's checkout")
-    ap.add_argument("--fake-world", type=int, default=1, metavar="N",
-                    help="a world of N ranks whose collectives are faked (one device)")
+    ap.add_argument(
+        "--fake-world",
+        type=int,
+        default=1,
+        metavar="N",
+        help="a world of N ranks whose collectives are faked (one device)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     args.seq = args.seq or (16 if args.model == "tiny" else 2048)
     if args.fake_world > 1:
         if MODELS[args.model].experts:
-            raise SystemExit("--fake-world: a mixture of experts routes on its (faked) weights, "
-                             "so ranks would diverge; use a dense model")
+            raise SystemExit(
+                "--fake-world: a mixture of experts routes on its (faked) weights, "
+                "so ranks would diverge; use a dense model"
+            )
         port = _free_port()
         mp.start_processes(_fake_rank, args=(args.fake_world, port, args),
                            nprocs=args.fake_world, start_method="spawn")  # fmt: skip
