@@ -47,6 +47,7 @@ import gc
 import importlib
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -284,7 +285,7 @@ def _fake_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> No
             _rank(torch.device("cuda", 0) if cuda else torch.device("cpu"), args, world)
             store.set("step_phases/done", "1")
         else:
-            torch.set_num_threads(1)
+            torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))
             peer = argparse.Namespace(**{**vars(args), "seq": 16, "rounds": 1, "steps": 1})
             measure(peer, torch.device("cpu"), world)
             store.wait(["step_phases/done"])
