@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from host_probe import HostProbe
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -121,11 +122,13 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         return model, _adamw(model.parameters(), fused_adamw), torch.bfloat16
     if method.startswith("fsdp2"):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # On `device`'s type: FSDP2's default mesh is on a GPU wherever one is present.
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
             if method == "fsdp2_compile":  # FSDP2's hooks run eagerly around the compiled code
                 block.compile()
-        fully_shard(model, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         return model, _adamw(model.parameters(), fused_adamw), None
     policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32", **overrides}
     if cfg.experts:

@@ -271,6 +271,8 @@ def _fake_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> No
     fp32 reduce-scatters a step at 300 GB/s, beside a host-bound step of 20-30 ms. The host
     path is the real one: the same calls, the same waits (on NCCL a wait is a stream wait, as
     here a no-op), the same buffers and saved-tensor hooks."""
+    if rank:  # the peers run on CPU, and leave the GPU to rank 0's measurement
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
