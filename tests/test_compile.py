@@ -321,6 +321,31 @@ def _block_chains() -> dict:
     return out
 
 
+def _block_casts() -> dict:
+    """bf16 over fp32 masters, blocks on gathered weights, two ranks: in a step after the
+    first, what the forward and the backward cast, by kind (see `_Casts`)."""
+    torch.manual_seed(0)
+    policy = {**POLICY, "param_dtype": "bfloat16", "reduce_dtype": "float32", "group_numel": 0}
+    model = GTPWrap(_gpt(), policy)  # group_numel=0: a group per block, each weight outside
+    gtp_wrap.gather_per_block(model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    _loss(model, ids).backward()
+    model.zero_grad(set_to_none=True)
+    with torch._C.DisableTorchFunctionSubclass():  # the full weights' shapes in blocks
+        shapes = {tuple(p.gtp_weight.geometry.shape) for n, p in model.named_parameters()
+                  if n.startswith("blocks.") and p.dim() == 2}  # fmt: skip
+    with _Casts() as forward:
+        loss = _loss(model, ids)
+    with _Casts() as backward:
+        loss.backward()
+    return {
+        "forward": [forward.foreach_copies, forward.downcasts],
+        "backward": [backward.foreach_copies, backward.downcasts],
+        "block_upcasts": sum(backward.upcasts[s] for s in shapes),
+        "blocks": len(model.blocks),
+    }
+
+
 def _cases(rank: int, world: int) -> dict:
     results: dict = {"readme": {"eager": _run_readme(False), "compiled": _run_readme(True)}}
     results |= {
@@ -336,6 +361,7 @@ def _cases(rank: int, world: int) -> dict:
     results["misuse"] = _misuse()
     results["block_alone"] = _block_alone()
     results["block_chains"] = _block_chains()
+    results["block_casts"] = _block_casts()
     outer = gtp_wrap.compile(GTPWrap(_Outer(), POLICY))
     results["outside"] = caught(lambda: outer(torch.randn(2, 16)))
     return results
@@ -416,6 +442,20 @@ def test_a_blocks_weights_are_gathered_as_one_group() -> None:
             in_blocks = [g for g in groups if g[0].startswith("blocks.")]
             assert len(in_blocks) == 3 and all(len(g) > 1 for g in in_blocks), (kind, groups)
         assert chains["per_block"]["losses"] == pytest.approx(chains["eager"]["losses"], rel=1e-5)
+
+
+def test_a_groups_shards_and_a_blocks_gradients_are_cast_together_over_two_ranks() -> None:
+    """bf16 over fp32 masters on two ranks: every gather casts its group's fp32 shards into
+    the gather buffers with one multi-tensor copy (none one by one, in either pass), and each
+    block's backward casts its bf16 weight gradients to the fp32 reduce dtype with one (none
+    by the reducer, one at a time)."""
+    for rank in _ranks():
+        casts = rank["block_casts"]
+        groups, downcasts = casts["forward"]
+        assert downcasts == 0 and groups >= casts["blocks"] == 3, casts
+        copies, downcasts = casts["backward"]
+        assert downcasts == 0 and copies >= 2 * casts["blocks"], casts  # re-gathers and grads
+        assert casts["block_upcasts"] == 0, casts
 
 
 def test_ranks_using_different_weights_of_a_block_train_exactly() -> None:
@@ -548,6 +588,7 @@ class _Casts(TorchDispatchMode):
         self.foreach_copies = 0
         self.copied: set[int] = set()  # where the multi-tensor copies wrote
         self.upcasts: collections.Counter[tuple[int, ...]] = collections.Counter()
+        self.downcasts = 0  # fp32 -> bf16 copies into existing tensors, one at a time
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -559,6 +600,11 @@ class _Casts(TorchDispatchMode):
             torch.float32,
         ):
             self.upcasts[tuple(args[0].shape)] += 1
+        elif func is torch.ops.aten.copy_.default and (args[1].dtype, args[0].dtype) == (
+            torch.float32,
+            torch.bfloat16,
+        ):
+            self.downcasts += 1
         return out
 
 

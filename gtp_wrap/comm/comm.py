@@ -148,7 +148,12 @@ class Comm:
         if self.gather_copies is not None:  # casts on its own stream
             copies = self.gather_copies.all_gather(outs, shards)
             return [Pending((copies,), what, context) for _ in outs]
-        shards = [own.copy_(s) if s.dtype != own.dtype else s for own, s in zip(owns, shards)]
+        # A group's shards are cast into their outputs by one multi-tensor copy: one kernel
+        # launch per collective, not one per weight.
+        casts = [(own, s) for own, s in zip(owns, shards) if s.dtype != own.dtype]
+        if casts:
+            torch._foreach_copy_([own for own, _ in casts], [s for _, s in casts])
+            shards = [own if s.dtype != own.dtype else s for own, s in zip(owns, shards)]
         # The ProcessGroup's own methods: the torch.distributed wrappers add ~25 us of Python
         # checks per call, paid on every weight use.
         group = axis.group

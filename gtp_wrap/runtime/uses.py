@@ -368,12 +368,28 @@ class BlockWeights(torch.autograd.Function):
                 casts.append((len(out), grad, dtype))
             out.append(grad)
         if len(casts) > 1 and not differentiable:  # [Note: a block's gradients are cast together]
-            cast = [torch.empty_like(grad, dtype=dtype) for _, grad, dtype in casts]
-            torch._foreach_copy_(cast, [grad for _, grad, _ in casts])
+            cast = _cast_together([grad for _, grad, _ in casts], [dtype for _, _, dtype in casts])
             for (i, _, _), c in zip(casts, cast):
                 out[i] = c
+        reduce_dtype = runtime.reduce_dtype
+        if reduce_dtype is not None and not differentiable:
+            # What the reducer would cast one by one into the reduce dtype (bf16 gradients of
+            # autograd's own linears into fp32), cast together as well.
+            late = [i for i, (_, g) in enumerate(sharded) if g.dtype != reduce_dtype]
+            if len(late) > 1:
+                cast = _cast_together([sharded[i][1] for i in late], [reduce_dtype] * len(late))
+                for i, c in zip(late, cast):
+                    sharded[i] = (sharded[i][0], c)
         runtime.reduce_grads(sharded, accumulated)
         return tuple(out)
+
+
+def _cast_together(grads: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Each of `grads` as a new tensor of its dtype in `dtypes` (in its own layout), all
+    written by one multi-tensor copy: one kernel, not one per gradient."""
+    cast = [torch.empty_like(grad, dtype=dtype) for grad, dtype in zip(grads, dtypes)]
+    torch._foreach_copy_(cast, grads)
+    return cast
 
 
 _block_weights = _applied(BlockWeights)
