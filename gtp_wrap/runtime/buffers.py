@@ -111,7 +111,8 @@ class GatherBufferPool:
         self.total_bytes = sum(b.nbytes for b in self._by_ptr.values())
 
     def lookup(self, t: torch.Tensor) -> GatherBuffer | None:
-        """The buffer `t` is a view of, if any."""
-        if t.device != self.device:
-            return None
-        return self._by_ptr.get(t.untyped_storage().data_ptr())
+        """The buffer `t` is a view of, if any; raises for a tensor without storage. The
+        address comes first: it is what tells most tensors (a pass's activations, each saved
+        once) apart from the buffers, at one storage read each."""
+        buf = self._by_ptr.get(t.untyped_storage().data_ptr())
+        return buf if buf is not None and t.device == self.device else None

@@ -124,6 +124,7 @@ class SavedDTensorView:
 
 
 _CONTEXT = {kind: f"{kind.label}, " for kind in PassKind}  # for error descriptions
+_SAVED_VIEWS = frozenset({SavedWeightView, SavedBlockView, SavedDTensorView})
 
 
 def _is_whole(saved: SavedWeightView | SavedBlockView, full: torch.Tensor) -> bool:
@@ -250,11 +251,9 @@ class Gatherer(Part):
             if type(local) not in (SavedWeightView, SavedBlockView):
                 return t
             return SavedDTensorView(local, t.device_mesh, t.placements, t.size(), t.stride())
-        if t.layout is not torch.strided or t.device != self.device or t.is_meta:
-            return t
         try:
             buf = self.pool.lookup(t)
-        except RuntimeError:  # a tensor without storage (a wrapper subclass)
+        except (RuntimeError, NotImplementedError):  # no storage: sparse, a wrapper subclass
             return t
         if buf is None or buf.owner is None:
             return t
@@ -266,6 +265,8 @@ class Gatherer(Part):
         return SavedWeightView(buf.owner, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, saved: Any) -> torch.Tensor:
+        if type(saved) not in _SAVED_VIEWS:  # most of what a pass saves: as it was
+            return saved
         if type(saved) is SavedDTensorView:
             return DTensor.from_local(
                 self.unpack(saved.local), saved.mesh, saved.placements, run_check=False,
@@ -286,8 +287,6 @@ class Gatherer(Part):
             if _is_whole(saved, full):
                 return full
             return full.as_strided(saved.size, saved.stride, saved.storage_offset)
-        if not isinstance(saved, SavedWeightView):
-            return saved
         self.ensure_backward()
         full = self.gather(saved.weight)
         if _is_whole(saved, full):  # the weight itself, as most uses save it: no view op
