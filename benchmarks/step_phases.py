@@ -78,6 +78,9 @@ TIMED = (
     ("reduce", "GradReducer", "reduce_grad"),
     ("reduce", "GradReducer", "reduce_grads"),
     ("gather", "Gatherer", "gather"),
+    ("gather", "Gatherer", "_issue"),
+    ("gather", "Gatherer", "pack"),
+    ("gather", "Gatherer", "unpack"),
     ("casts", "Casts", "refresh"),
     ("engine", "GTPEngine", "open_forward"),
     ("engine", "GTPEngine", "close_forward"),
@@ -286,11 +289,14 @@ def _fake_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> No
                 torch.cuda.set_device(0)
             _rank(torch.device("cuda", 0) if cuda else torch.device("cpu"), args, world)
             store.set("step_phases/done", "1")
+            # Rank 0 holds the store: it leaves once every peer has read that it is done.
+            store.wait([f"step_phases/left/{peer}" for peer in range(1, world)])
         else:
             torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))
             peer = argparse.Namespace(**{**vars(args), "seq": 16, "rounds": 1, "steps": 1})
             measure(peer, torch.device("cpu"), world)
             store.wait(["step_phases/done"])
+            store.set(f"step_phases/left/{rank}", "1")
     finally:
         gc.collect()  # a wrapped model holds the group (see gtp_wrap.app.launch)
         dist.destroy_process_group()
