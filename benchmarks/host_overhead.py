@@ -7,12 +7,14 @@
     python benchmarks/host_overhead.py --device cuda   # world of 1 on a GPU, wall time
 
 A stack of `--weights` tiny `nn.Linear` layers runs forward and backward with and without
-GTPWrap, in a world of 1 (the engine's Python path alone: no collective is issued) and of 2
-spawned gloo ranks (the path with its gathers and reduce-scatters issued). Two policies: fp32
-(the default) and bf16 compute over fp32 masters; both gather one weight per collective
+GTPWrap, in a world of 1 (the engine's Python path alone: no collective is issued), of 2 spawned
+gloo ranks (the path with its gathers and reduce-scatters issued), and of 2 ranks on torch's
+fake process group (`world2_fake`: the same collectives issued and waited for as on NCCL,
+returning at once; no gloo wait polls, so its counts are the same on every run). Two policies:
+fp32 (the default) and bf16 compute over fp32 masters; both gather one weight per collective
 (`group_numel: 0`), so each use walks the whole per-use path. With `--bias` the layers have
-biases, which are replicated: their gradients take the all-reduce path too. With `--block K`
-the layers form blocks of K that run on their weights gathered once per call
+biases, which are replicated: their gradients take the all-reduce path too. With `--block K` the
+layers form blocks of K that run on their weights gathered once per call
 (`gtp_wrap.gather_per_block`, as gtp-train runs its transformer blocks) instead of one
 interception per use; the reference is the same nesting without GTP.
 
@@ -52,6 +54,7 @@ import argparse
 import collections
 import concurrent.futures
 import gc
+import importlib
 import json
 import os
 import re
@@ -251,9 +254,16 @@ def count_instructions(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
-def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: str) -> None:
+def _rank(
+    rank: int, world: int, backend: str, store: str, args: argparse.Namespace, result: str
+) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if backend == "fake":
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers it
+    # The store given, not an init_method: the fake backend would make its own, which
+    # lacks what the engine's agreement checks and waits use.
+    dist.init_process_group(backend, store=dist.FileStore(store, world), rank=rank,
+                            world_size=world)  # fmt: skip
     try:
         got = measure(args)
         if rank == 0:
@@ -293,15 +303,16 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     results = {"world1": measure(args)}
-    if args.device == "cpu":  # the gloo world of 2: its collectives' host path too
-        with tempfile.TemporaryDirectory() as tmp:
-            result = os.path.join(tmp, "result.json")
-            mp.start_processes(
-                _rank, args=(2, os.path.join(tmp, "store"), args, result), nprocs=2,
-                start_method="spawn",
-            )  # fmt: skip
-            with open(result) as f:
-                results["world2_gloo"] = json.load(f)
+    if args.device == "cpu":  # worlds of 2: the collectives' host path too
+        for backend in ("gloo", "fake"):
+            with tempfile.TemporaryDirectory() as tmp:
+                result = os.path.join(tmp, "result.json")
+                mp.start_processes(
+                    _rank, args=(2, backend, os.path.join(tmp, "store"), args, result),
+                    nprocs=2, start_method="spawn",
+                )  # fmt: skip
+                with open(result) as f:
+                    results[f"world2_{backend}"] = json.load(f)
     print(
         f"{'world':<12} {'policy':<6} {'plain us/step':>14} {'GTP us/step':>12} {'us/use':>8}"
         f" {'extra ops/use':>14} {'py calls/use':>13} {'CPU us/use':>11}"

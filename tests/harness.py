@@ -1,7 +1,8 @@
 """The one way tests start ranks, catch per-case errors, cache results and build meshes.
 
 `run_ranks(fn, world)` runs `fn(rank, world, *args)` on `world` new processes joined in one
-gloo group (NCCL with `backend="nccl"`, one GPU per rank), rendezvousing through a FileStore in
+gloo group (NCCL with `backend="nccl"`, one GPU per rank; torch's fake group with
+`backend="fake"`, collectives that move nothing), rendezvousing through a FileStore in
 a temp dir so parallel tests never fight over ports, and returns each rank's return value. A
 rank that raises fails the test with its traceback; ranks still running at the deadline are
 killed and the test fails instead of hanging. `cached_ranks` is the same, run once per
@@ -13,6 +14,7 @@ from __future__ import annotations
 import faulthandler
 import functools
 import gc
+import importlib
 import os
 import tempfile
 import time
@@ -38,9 +40,14 @@ def _entry(
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world
-    )
+    if backend == "fake":  # torch's fake group: every collective returns at once, no data
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers it
+        store = dist.FileStore(f"{store_dir}/store", world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(
+            backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world
+        )
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(store_dir, f"result{rank}.pt"))

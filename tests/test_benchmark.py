@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from harness import run_ranks
 
@@ -197,10 +198,13 @@ def _python_calls(rank: int, world: int) -> dict[str, list[float]]:
     return calls
 
 
-def test_python_calls_per_step_are_the_same_on_every_run() -> None:
+@pytest.mark.parametrize("world, backend", [(1, "gloo"), (2, "fake")])
+def test_python_calls_per_step_are_the_same_on_every_run(world: int, backend: str) -> None:
     """host_overhead.py's Python-call count is deterministic (two fresh models count the same),
-    and blocks on gathered weights make fewer calls than per-use interception."""
-    (calls,) = run_ranks(_python_calls, 1)
+    at a world of one and in a faked world of two (the path of two ranks' gathers, waits and
+    reduce-scatters, without gloo's polling waits), and blocks on gathered weights make fewer
+    calls than per-use interception."""
+    calls = run_ranks(_python_calls, world, backend=backend)[0]
     for key in ("block0", "block4"):
         assert calls[key][0] == calls[key][1], calls
     assert calls["plain"][0] < calls["block4"][0] < calls["block0"][0], calls
