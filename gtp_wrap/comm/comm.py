@@ -245,11 +245,15 @@ class Comm:
         works = pending.works
         if consume:
             pending.works = ()
+        if not self._gloo:  # a stream wait: nothing blocks the host, nothing to watch
+            for work in works:
+                work.wait()
+            return
         for i, work in enumerate(works):
             self._wait_one(work, pending, pending.number + i)
 
     def _wait_one(self, work: dist.Work | StreamWork, pending: Pending, number: int) -> None:
-        if not self._gloo or isinstance(work, StreamWork):
+        if isinstance(work, StreamWork):
             work.wait()
             return
 

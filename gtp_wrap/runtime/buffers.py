@@ -47,6 +47,7 @@ class GatherBuffer:
         self.owner: ShardedWeight | None = None  # the weight last gathered into it
         self.data_ptr = self._storage.data_ptr()
         self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        self._host = device.type == "cpu"  # see settle
 
     def _use_count(self) -> int:
         return torch._C._storage_Use_Count(self._storage._cdata)
@@ -66,7 +67,7 @@ class GatherBuffer:
         `wait()` returns; without this, the buffer would look in use at the next pick and the
         pool would grow by chance instead of by need.
         """
-        if self.tensor.device.type != "cpu":
+        if not self._host:
             return
         deadline = time.monotonic() + _SETTLE_S
         while self._use_count() > self._baseline and time.monotonic() < deadline:
@@ -88,7 +89,9 @@ class GatherBufferPool:
         one `rank`, marked GATHERING (new if none is)."""
         buffers = self._by_key.setdefault((numel, dtype, rank, world), [])
         for buf in buffers:
-            if buf.state is BufferState.FREE:
+            # The gathering ones (a group's earlier weights of the same shape) are passed
+            # over without reading their storage.
+            if not buf.gathering and buf.state is BufferState.FREE:
                 break
         else:
             buf = GatherBuffer(numel, dtype, self.device, rank, world)

@@ -192,15 +192,16 @@ class PassState:
         of the use just made, or, prefetching at all, it ends no later than the next block call
         (`Chain.reach`)."""
         chain = self.chain
-        if chain is None or self.diverged or self.issued >= len(chain.order):
+        issued = self.issued
+        if chain is None or self.diverged or issued >= len(chain.order):
             return None
         latest = self.cursor - 1
         limit = chain.group_of[latest] + depth
         if depth:
             limit = max(limit, chain.reach[latest])
-        if chain.group_of[self.issued] > limit:
+        if chain.group_of[issued] > limit:
             return None
-        return chain.rest_of_group(self.issued)
+        return chain.rest_of_group(issued)
 
     def followed_chain(self) -> bool:
         """Whether the pass used exactly the recorded chain (so nothing needs recording)."""
