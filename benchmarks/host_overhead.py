@@ -4,7 +4,7 @@
         [--bias]
     python benchmarks/host_overhead.py --callgrind [--steps 40]     # instructions, world of 1
     python benchmarks/host_overhead.py --block 4       # blocks of 4 layers on gathered weights
-    python benchmarks/host_overhead.py --device cuda   # world of 1 on a GPU, wall time
+    python benchmarks/host_overhead.py --device cuda   # worlds of 1 and faked 2 on a GPU
 
 A stack of `--weights` tiny `nn.Linear` layers runs forward and backward with and without
 GTPWrap, in a world of 1 (the engine's Python path alone: no collective is issued), of 2 spawned
@@ -35,8 +35,9 @@ the difference is the steps' own count, without Python's and torch's start-up.
 Note: the figure is the main thread's CPU time (`time.thread_time`), not wall time. Gloo moves
 data on threads of its own and the main thread sleeps while it waits, so CPU time counts what
 the engine's Python and the ops it dispatches cost, and not how long the peer or the loopback
-took. On a GPU (`--device cuda`, world of 1 only) the figure is wall time with the device
-synchronized at the end of each round: the layers are too small for their kernels to be what
+took. On a GPU (`--device cuda`: a world of 1, and the faked world of 2 with rank 0 on the
+GPU and its peer on CPU) the figure is wall time with the device synchronized at the end of
+each round: the layers are too small for their kernels to be what
 the step waits for. Beside it, a GPU run reports the same from the process's CPU time
 (`time.process_time`, every thread: autograd runs a CUDA backward on a thread of its own). On
 the H200 host the two read the same within 4 % (`results/cpu_time_1204/`): what moves the
@@ -54,7 +55,6 @@ import argparse
 import collections
 import concurrent.futures
 import gc
-import importlib
 import json
 import os
 import re
@@ -71,6 +71,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fake_world  # noqa: E402
+
 from gtp_wrap import GTPWrap, gather_per_block  # noqa: E402
 
 POLICIES = {
@@ -164,14 +166,14 @@ def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> 
     return min(per_round), min(cpu_per_round)
 
 
-def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+def measure(args: argparse.Namespace, device: str) -> dict[str, dict[str, float]]:
     """Per policy: the plain and the wrapped step's CPU time and the extra per weight use."""
     weights, steps, rounds = args.weights, args.steps, args.rounds
 
     def build() -> nn.Module:
-        return _model(weights, args.width, args.bias, args.block, args.device)
+        return _model(weights, args.width, args.bias, args.block, device)
 
-    x = torch.randn(4, args.width, device=args.device)
+    x = torch.randn(4, args.width, device=device)
     plain, plain_cpu = _step_cpu_us(build(), x, steps, rounds)
     out = {}
     for name, policy in POLICIES.items():
@@ -188,7 +190,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         calls = (
             _python_calls_per_step(model, x)
             - _python_calls_per_step(build().to(dtype), x.to(dtype))
-            if args.device == "cpu"
+            if device == "cpu"
             else None
         )
         out[name] = {
@@ -197,7 +199,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             "per_use_us": round((wrapped - base) / (2 * weights), 2),
             # On a GPU, the same from the process's CPU time (see the Note above).
             "per_use_cpu_us": round((wrapped_cpu - base_cpu) / (2 * weights), 2)
-            if args.device != "cpu"
+            if device != "cpu"
             else None,
             "extra_ops_per_use": round(sum(extra.values()) / (2 * weights), 2),
             "extra_python_calls_per_use": None
@@ -254,23 +256,26 @@ def count_instructions(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
-def _rank(
-    rank: int, world: int, backend: str, store: str, args: argparse.Namespace, result: str
-) -> None:
+def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: str) -> None:
     torch.set_num_threads(1)
-    if backend == "fake":
-        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers it
-    # The store given, not an init_method: the fake backend would make its own, which
-    # lacks what the engine's agreement checks and waits use.
-    dist.init_process_group(backend, store=dist.FileStore(store, world), rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        got = measure(args)
+        got = measure(args, "cpu")
         if rank == 0:
             with open(result, "w") as f:
                 json.dump(got, f)
     finally:
         dist.destroy_process_group()
+
+
+def _faked(rank: int, device: torch.device, args: argparse.Namespace, result: str) -> None:
+    """A rank of the faked world (fake_world.py): rank 0 measures on `device`; the peer runs
+    the same steps on CPU, which its agreement checks need."""
+    torch.set_num_threads(1)
+    got = measure(args, device.type)
+    if rank == 0:
+        with open(result, "w") as f:
+            json.dump(got, f)
 
 
 def main() -> None:
@@ -287,7 +292,7 @@ def main() -> None:
     parser.add_argument(
         "--block", type=int, default=0, help="layers per block on gathered weights (0: per use)"
     )
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a world of 1 only)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (worlds of 1 and faked 2)")
     args = parser.parse_args()
     if args.run_steps is not None:
         _run_steps(args)
@@ -302,17 +307,17 @@ def main() -> None:
                 json.dump({"callgrind_world1": counted, "args": vars(args)}, f, indent=1)
         return
     torch.set_num_threads(1)
-    results = {"world1": measure(args)}
-    if args.device == "cpu":  # worlds of 2: the collectives' host path too
-        for backend in ("gloo", "fake"):
-            with tempfile.TemporaryDirectory() as tmp:
-                result = os.path.join(tmp, "result.json")
-                mp.start_processes(
-                    _rank, args=(2, backend, os.path.join(tmp, "store"), args, result),
-                    nprocs=2, start_method="spawn",
-                )  # fmt: skip
-                with open(result) as f:
-                    results[f"world2_{backend}"] = json.load(f)
+    results = {"world1": measure(args, args.device)}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        if args.device == "cpu":  # gloo's world of 2: its waits block the host
+            mp.start_processes(_rank, args=(2, os.path.join(tmp, "store"), args, result),
+                               nprocs=2, start_method="spawn")  # fmt: skip
+            with open(result) as f:
+                results["world2_gloo"] = json.load(f)
+        fake_world.spawn(_faked, 2, args, result)  # the NCCL path's host side, on this device
+        with open(result) as f:
+            results["world2_fake"] = json.load(f)
     print(
         f"{'world':<12} {'policy':<6} {'plain us/step':>14} {'GTP us/step':>12} {'us/use':>8}"
         f" {'extra ops/use':>14} {'py calls/use':>13} {'CPU us/use':>11}"

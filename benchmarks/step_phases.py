@@ -19,15 +19,15 @@ where a GPU's backward runs them), so their share of each phase is read without 
 whose own overhead grows with the Python it traces. Each figure is the smallest, over the
 rounds, of a round's median per step.
 
-With `--fake-world N` the step runs at a world of N whose collectives are faked (torch's
-"fake" process-group backend: every collective returns at once and moves nothing), on one
-device: the engine's whole path for N ranks (gathers issued and waited for, saved weights
-rematerialized, gradients reduce-scattered, FSDP2's copy-in and copy-out) without a second
-GPU. At batch 1 the step is host-bound and the collectives' device time small (see
-[Note: a faked world]), so this is the host side of an N-GPU step, the one no one-GPU run
-shows. Rank 0 measures on the GPU (or CPU); the other ranks run the same wrap and warm-up steps
-on CPU at a short sequence, which is all the engine asks of its peers (the agreement checks at
-wrap and when a chain is recorded, through the store), then wait for rank 0.
+With `--fake-world N` the step runs at a world of N whose collectives are faked (torch's "fake"
+process-group backend: every collective returns at once and moves nothing), on one device: the
+engine's whole path for N ranks (gathers issued and waited for, saved weights rematerialized,
+gradients reduce-scattered, FSDP2's copy-in and copy-out) without a second GPU. At batch 1 the
+step is host-bound and the collectives' device time small (see [Note: a faked world] in
+fake_world.py), so this is the host side of an N-GPU step, the one no one-GPU run shows. Rank 0
+measures on the GPU (or CPU); the other ranks run the same wrap and warm-up steps on CPU at a
+short sequence, which is all the engine asks of its peers (the agreement checks at wrap and when
+a chain is recorded, through the store), then wait for rank 0.
 
 With `--baseline TREE` (a checkout of another commit, e.g. `git worktree add /tmp/base HEAD~3`)
 each gtp method also runs on that tree's gtp_wrap, imported beside this one as
@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import functools
-import gc
 import importlib
 import importlib.util
 import json
@@ -56,14 +54,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fake_world
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from bench_step import MODELS, _build, batch_of, clear_grads
 
 import gtp_wrap
-from gtp_wrap.app.launch import _free_port, launch
+from gtp_wrap.app.launch import launch
 from gtp_wrap.app.model import GPTConfig
 
 MODELS = {**MODELS, "tiny": GPTConfig(vocab=256, d=64, layers=12, heads=4, ffn=128, max_seq=64)}
@@ -246,9 +243,7 @@ def main() -> None:
                 "--fake-world: a mixture of experts routes on its (faked) weights, "
                 "so ranks would diverge; use a dense model"
             )
-        port = _free_port()
-        mp.start_processes(_fake_rank, args=(args.fake_world, port, args),
-                           nprocs=args.fake_world, start_method="spawn")  # fmt: skip
+        fake_world.spawn(_faked, args.fake_world, args)
         return
     launch(_rank, 1, args, cpu=not torch.cuda.is_available())
 
@@ -264,42 +259,16 @@ def _rank(device: torch.device, args: argparse.Namespace, world: int = 1) -> Non
         args.out.write_text(json.dumps(result, indent=1))
 
 
-def _fake_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    """One rank of `--fake-world`: rank 0 measures; the others wrap the same models and run
-    their warm-up steps, so that every agreement check the engine makes finds them, and wait.
-
-    [Note: a faked world] A faked collective moves no data and takes no device time, so its
-    buffers hold whatever they held (the losses mean nothing) and what a real step spends
-    moving bytes is left out: at 125M, batch 1, on NVLink, about 1 ms of gathers and 1.5 ms of
-    fp32 reduce-scatters a step at 300 GB/s, beside a host-bound step of 20-30 ms. The host
-    path is the real one: the same calls, the same waits (on NCCL a wait is a stream wait, as
-    here a no-op), the same buffers and saved-tensor hooks."""
-    if rank:  # the peers run on CPU, and leave the GPU to rank 0's measurement
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
-
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
-                          timeout=datetime.timedelta(hours=2))  # fmt: skip
-    dist.init_process_group("fake", rank=rank, world_size=world, store=store)
-    torch.set_flush_denormal(True)  # faked buffers may hold denormals, slow on CPU
-    try:
-        if rank == 0:
-            cuda = torch.cuda.is_available()
-            if cuda:
-                torch.cuda.set_device(0)
-            _rank(torch.device("cuda", 0) if cuda else torch.device("cpu"), args, world)
-            store.set("step_phases/done", "1")
-            # Rank 0 holds the store: it leaves once every peer has read that it is done.
-            store.wait([f"step_phases/left/{peer}" for peer in range(1, world)])
-        else:
-            torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))
-            peer = argparse.Namespace(**{**vars(args), "seq": 16, "rounds": 1, "steps": 1})
-            measure(peer, torch.device("cpu"), world)
-            store.wait(["step_phases/done"])
-            store.set(f"step_phases/left/{rank}", "1")
-    finally:
-        gc.collect()  # a wrapped model holds the group (see gtp_wrap.app.launch)
-        dist.destroy_process_group()
+def _faked(rank: int, device: torch.device, args: argparse.Namespace) -> None:
+    """One rank of `--fake-world` (see [Note: a faked world] in fake_world.py): rank 0
+    measures; the others wrap the same models and run their warm-up steps on CPU at a short
+    sequence, so that every agreement check the engine makes finds them."""
+    if rank == 0:
+        _rank(device, args, args.fake_world)
+        return
+    torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))
+    peer = argparse.Namespace(**{**vars(args), "seq": 16, "rounds": 1, "steps": 1})
+    measure(peer, device, args.fake_world)
 
 
 if __name__ == "__main__":
