@@ -11,8 +11,9 @@ What it measures, each with a source line in the JSON:
   whose time beyond GEMMs, attention and loss gives the elementwise bytes per token (slope) and
   the fixed cost per layer (intercept: host time on a CPU, small kernels on a GPU);
 - host: GTP's time per weight use at world 1 (16 small Linears wrapped and not, as
-  benchmarks/host_overhead.py), and, on gloo, at world 2: on CPU the rank's own CPU time,
-  which leaves out its waits for the peer (the model's collectives take those);
+  benchmarks/host_overhead.py), and at world 2: on gloo the rank's own CPU time, which leaves
+  out its waits for the peer (the model's collectives take those); on a GPU in a faked world
+  of two (fake_world.py: collectives issued and waited for, moving nothing);
 - collectives (gloo on CPU for worlds 2 and 4, NCCL for 2 up to all GPUs): flat all-gathers
   and reduce-scatters of several sizes, fitted to α + (n-2)·hop + (n-1)/n·bytes/GB/s; and the
   contention: a GEMM loop alone and beside an all-gather loop, each slowed by the other;
@@ -47,6 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fake_world  # noqa: E402
+
 from gtp_wrap import GTPWrap, gather_per_block  # noqa: E402
 from gtp_wrap.app.launch import launch  # noqa: E402
 from gtp_wrap.app.model import GPT, GPTConfig  # noqa: E402
@@ -666,11 +669,15 @@ def main(argv: list[str] | None = None) -> None:
     link = {
         k: {f: src(v, comm_src) for f, v in curve.items()} for k, curve in (curves or {}).items()
     }
-    if not cuda and curves:
-        h["use_us"] = src(
-            measure_use_us_world2(budget),
-            f"{here}: 16 Linear(64, 64) at world 2 (gloo), the rank's own CPU time",
-        )
+    use = 0.0
+    if cuda:
+        use = measure_use_us_faked(budget, {"param_dtype": "bfloat16"})
+        how = "in a faked world (fake_world.py), rank 0 on the GPU"
+    elif curves:
+        use = measure_use_us_world2(budget)
+        how = "(gloo), the rank's own CPU time"
+    if use:
+        h["use_us"] = src(use, f"{here}: 16 Linear(64, 64) at world 2 {how}")
     else:
         h["use_us"] = src(262, "results/profile_b1_final_gtp.json (2xH200): not measured here")
     raw.update(
@@ -743,10 +750,26 @@ def measure_use_us_world2(budget: Budget) -> float:
         return float(json.loads(Path(out).read_text())["use_us"])
 
 
-def _use_rank(device: torch.device, out: str) -> None:
-    use_us = measure_use_us(device)
+def measure_use_us_faked(budget: Budget, policy: dict) -> float:
+    """GTP's extra host time per weight use at world 2 with one GPU: the faked world of
+    fake_world.py, rank 0 on the GPU, every collective issued and waited for as on NCCL but
+    moving nothing (their device time is the links' part of the model)."""
+    if not budget.allows("host time per use at world 2 (faked)", 30):
+        return 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "use.json")
+        fake_world.spawn(_faked_use_rank, 2, out, policy)
+        return float(json.loads(Path(out).read_text())["use_us"])
+
+
+def _use_rank(device: torch.device, out: str, policy: dict | None = None) -> None:
+    use_us = measure_use_us(device, policy)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"use_us": use_us}))
+
+
+def _faked_use_rank(rank: int, device: torch.device, out: str, policy: dict) -> None:
+    _use_rank(device, out, policy)
 
 
 def runs_of(

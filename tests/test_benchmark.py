@@ -186,6 +186,17 @@ def test_step_phases_in_a_faked_world_runs_the_engines_gathers(tmp_path: Path) -
     assert all(result["ms"][m]["step"] > 0 for m in result["ms"])
 
 
+def test_calibrate_times_a_use_of_two_ranks_in_a_faked_world() -> None:
+    """calibrate.py's `use_us` on a GPU machine comes from the faked world of two, rank 0 on
+    the device (here the CPU): the two-rank path (gathers, waits, reduce-scatters) costs more
+    host time per use than a world of one, which issues none."""
+    cal = _benchmark_module("calibrate")
+    policy = {"param_dtype": "bfloat16"}
+    faked = cal.measure_use_us_faked(cal.Budget(120), policy)
+    local = cal.measure_use_us(torch.device("cpu"), policy)
+    assert faked > local > 0, (faked, local)
+
+
 def _python_calls(rank: int, world: int) -> dict[str, list[float]]:
     ho = _benchmark_module("host_overhead")
     x = torch.randn(4, 16)
