@@ -3,7 +3,10 @@
 #   M=... BASE=.whl/base bash gpu.sh b 125M   # this tree against BASE's gtp_wrap, interleaved
 #   bash gpu.sh c                               # 125M: eager at batch 4 and 8
 #   bash gpu.sh d                               # 125M: compiled at batch 1
+#   bash gpu.sh e                               # host_overhead: per use, worlds 1 and faked 2
 #   bash gpu.sh tests                           # the CUDA tests on this tree
+# By value, for a session's 30 minutes: `bash gpu.sh tests; bash gpu.sh e` in one call (short),
+# then b 125M, d, c, b 1.36B.
 # BASE: a tree holding another commit's gtp_wrap/ (`git archive REV gtp_wrap | tar -x -C
 # .whl/base`), carried with `.whl`. Outputs: phases_<call>_<model>_b<batch>.{json,log}.
 . benchmarks/gpu_env.sh >/dev/null
@@ -22,6 +25,11 @@ case $S in
   c) run 125M 4 3 floor gtp_blocks fsdp2
      run 125M 8 2 floor gtp_blocks fsdp2 ;;
   d) run 125M 1 3 floor_compile gtp_compile fsdp2_compile ;;
+  e) for i in 1 2; do
+       PYTHONPATH=/tmp/site:$PWD timeout 200 python3 benchmarks/host_overhead.py --device cuda \
+         --steps 100 --rounds 7 --out $OUT/host_overhead_e$i.json > $OUT/host_overhead_e$i.log 2>&1
+       echo host rc=$?; tail -3 $OUT/host_overhead_e$i.log
+     done ;;
   tests)
     PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider \
       tests/test_graphs.py tests/test_gpu.py tests/test_compile.py \
