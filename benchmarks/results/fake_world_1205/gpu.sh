@@ -6,7 +6,9 @@
 #   bash gpu.sh e                               # host_overhead: per use, worlds 1 and faked 2
 #   bash gpu.sh tests                           # the CUDA tests on this tree
 # By value, for a session's 30 minutes: `bash gpu.sh tests; bash gpu.sh e` in one call (short),
-# then b 125M, d, c, b 1.36B.
+# then b 125M, d, c, b 1.36B. At 1.36B each method's model and AdamW state take 12-22 GB on
+# rank 0 (about 80 GB for the five of the 2026-12-04 call, run on an H200): on an 80 GB H100,
+# give b 1.36B with BASE fewer methods, M="floor gtp_blocks".
 # BASE: a tree holding another commit's gtp_wrap/ (`git archive REV gtp_wrap | tar -x -C
 # .whl/base`), carried with `.whl`. Outputs: phases_<call>_<model>_b<batch>.{json,log}.
 . benchmarks/gpu_env.sh >/dev/null
