@@ -321,12 +321,13 @@ def _block_chains() -> dict:
     return out
 
 
-def _block_casts() -> dict:
+def _block_casts(group_numel: int) -> dict:
     """bf16 over fp32 masters, blocks on gathered weights, two ranks: in a step after the
     first, what the forward and the backward cast, by kind (see `_Casts`)."""
     torch.manual_seed(0)
-    policy = {**POLICY, "param_dtype": "bfloat16", "reduce_dtype": "float32", "group_numel": 0}
-    model = GTPWrap(_gpt(), policy)  # group_numel=0: a group per block, each weight outside
+    policy = {**POLICY, "param_dtype": "bfloat16", "reduce_dtype": "float32",
+              "group_numel": group_numel}  # fmt: skip
+    model = GTPWrap(_gpt(), policy)
     gtp_wrap.gather_per_block(model)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     _loss(model, ids).backward()
@@ -338,11 +339,23 @@ def _block_casts() -> dict:
         loss = _loss(model, ids)
     with _Casts() as backward:
         loss.backward()
+    fp32, bf16 = torch.float32, torch.bfloat16
     return {
-        "forward": [forward.foreach_copies, forward.downcasts],
-        "backward": [backward.foreach_copies, backward.downcasts],
+        "forward": {
+            "downcasts": forward.downcasts,
+            "shard_casts": sorted(
+                (n, c) for (n, src, dst), c in forward.foreach.items() if (src, dst) == (fp32, bf16)
+            ),
+        },  # fmt: skip
+        "backward": {
+            "downcasts": backward.downcasts,
+            "grad_casts": sorted(
+                (n, c)
+                for (n, src, dst), c in backward.foreach.items()
+                if (src, dst) == (bf16, fp32)
+            ),
+        },  # fmt: skip
         "block_upcasts": sum(backward.upcasts[s] for s in shapes),
-        "blocks": len(model.blocks),
     }
 
 
@@ -361,7 +374,7 @@ def _cases(rank: int, world: int) -> dict:
     results["misuse"] = _misuse()
     results["block_alone"] = _block_alone()
     results["block_chains"] = _block_chains()
-    results["block_casts"] = _block_casts()
+    results["block_casts"] = {n: _block_casts(n) for n in (0, 1 << 30)}
     outer = gtp_wrap.compile(GTPWrap(_Outer(), POLICY))
     results["outside"] = caught(lambda: outer(torch.randn(2, 16)))
     return results
@@ -445,17 +458,25 @@ def test_a_blocks_weights_are_gathered_as_one_group() -> None:
 
 
 def test_a_groups_shards_and_a_blocks_gradients_are_cast_together_over_two_ranks() -> None:
-    """bf16 over fp32 masters on two ranks: every gather casts its group's fp32 shards into
-    the gather buffers with one multi-tensor copy (none one by one, in either pass), and each
-    block's backward casts its bf16 weight gradients to the fp32 reduce dtype with one (none
-    by the reducer, one at a time)."""
+    """bf16 over fp32 masters on two ranks, blocks on gathered weights (the GPT's 3 blocks of
+    5 sharded weights, its embedding and head): every gather casts its group's fp32 shards into
+    the gather buffers with one multi-tensor copy, none one by one in either pass; each block's
+    bf16 weight gradients are cast to the fp32 reduce dtype with one per reduce group, none by
+    the reducer one at a time. With a group per weight (group_numel 0) a block's gradients are
+    cast one by one, each just before its own reduce-scatter: never more fp32 copies ahead of
+    the reducer than its groups hold."""
     for rank in _ranks():
-        casts = rank["block_casts"]
-        groups, downcasts = casts["forward"]
-        assert downcasts == 0 and groups >= casts["blocks"] == 3, casts
-        copies, downcasts = casts["backward"]
-        assert downcasts == 0 and copies >= 2 * casts["blocks"], casts  # re-gathers and grads
-        assert casts["block_upcasts"] == 0, casts
+        one_group, per_weight = rank["block_casts"][1 << 30], rank["block_casts"][0]
+        # Everything one group: a gather of all 17 weights (16 in backward, without the
+        # embedding), and each block call's 5 gradients cast together.
+        assert one_group["forward"] == {"downcasts": 0, "shard_casts": [(17, 1)]}, one_group
+        assert one_group["backward"]["downcasts"] == 0, one_group
+        assert one_group["backward"]["grad_casts"] == [(2, 3), (5, 3)], one_group  # norms too
+        assert one_group["block_upcasts"] == 0, one_group
+        # A group per block call (a block is never cut), the embedding and head alone.
+        assert per_weight["forward"] == {"downcasts": 0, "shard_casts": [(1, 2), (5, 3)]}
+        assert per_weight["backward"]["grad_casts"] == [(2, 3)], per_weight  # the norms'
+        assert per_weight["block_upcasts"] == 15, per_weight
 
 
 def test_ranks_using_different_weights_of_a_block_train_exactly() -> None:
@@ -586,6 +607,10 @@ class _Casts(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.foreach_copies = 0
+        # (tensors, source dtype, target dtype) of each multi-tensor copy
+        self.foreach: collections.Counter[tuple[int, torch.dtype, torch.dtype]] = (
+            collections.Counter()
+        )
         self.copied: set[int] = set()  # where the multi-tensor copies wrote
         self.upcasts: collections.Counter[tuple[int, ...]] = collections.Counter()
         self.downcasts = 0  # fp32 -> bf16 copies into existing tensors, one at a time
@@ -594,6 +619,7 @@ class _Casts(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._foreach_copy_.default:
             self.foreach_copies += 1
+            self.foreach[len(args[0]), args[1][0].dtype, args[0][0].dtype] += 1
             self.copied.update(t.data_ptr() for t in args[0])
         elif func is torch.ops.aten._to_copy.default and (args[0].dtype, out.dtype) == (
             torch.bfloat16,

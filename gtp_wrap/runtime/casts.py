@@ -22,6 +22,16 @@ from ..core.weight import CastWeight
 from ..precision.encoding import Packing
 from .stats import Stats
 
+
+def cast_together(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Each of `tensors` as a new tensor of its dtype in `dtypes` (in its own layout), all
+    written by one multi-tensor copy: on a GPU one kernel launch for those of one source and
+    target dtype, not one per tensor (on CPU it copies them one by one)."""
+    cast = [torch.empty_like(t, dtype=dtype) for t, dtype in zip(tensors, dtypes)]
+    torch._foreach_copy_(cast, tensors)
+    return cast
+
+
 _live: weakref.WeakSet[Casts] = weakref.WeakSet()
 _hook_installed = False
 

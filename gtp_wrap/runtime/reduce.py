@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..comm.comm import Pending
 from ..core.weight import GradState, ShardedWeight, describe_group
 from ..errors import GraphCaptureError
+from .casts import cast_together
 from .part import Part, Shared
 
 
@@ -172,6 +173,41 @@ class GradReducer(Part):
         if accumulated:
             self.ensure_backward()
             self._landed_now(accumulated, self.reduce_dtype)
+        dtype = self.reduce_dtype
+        if dtype is None or torch.is_grad_enabled():  # nothing to cast, or create_graph
+            for w, g in grads:
+                self.reduce_grad(w, g)
+            return
+        # [Note: a reduce group's gradients are cast together] The reducer casts each gradient
+        # into the reduce dtype (a bf16 linear's weight gradient into fp32) before it joins its
+        # group: a launch per weight. A block's are cast here by one multi-tensor copy per run
+        # of gradients that fills the collecting group, just before they join it, so no more
+        # fp32 copies are alive than the groups hold (casting a whole block's at once held up
+        # to its every weight's).
+        run: list[tuple[ShardedWeight, torch.Tensor]] = []
+        numel = self._collecting.numel
+        for i, (w, g) in enumerate(grads):
+            run.append((w, g))
+            numel += g.numel()
+            if numel >= self.group_numel or i == len(grads) - 1:
+                self._reduce_cast_together(run, dtype)
+                run, numel = [], 0
+
+    def _reduce_cast_together(
+        self, grads: list[tuple[ShardedWeight, torch.Tensor]], dtype: torch.dtype
+    ) -> None:
+        """`reduce_grad` for each of `grads`, in order; those it would cast into the reduce
+        dtype (not an unreduced or scaled one, which casts its own way) cast first, together."""
+        late = [
+            i
+            for i, (w, g) in enumerate(grads)
+            if g.dtype != dtype and w.index not in self.unreduced
+            and w.index not in self.scale
+        ]  # fmt: skip
+        if len(late) > 1:
+            cast = cast_together([grads[i][1] for i in late], [dtype] * len(late))
+            for i, c in zip(late, cast):
+                grads[i] = (grads[i][0], c)
         for w, g in grads:
             self.reduce_grad(w, g)
 

@@ -44,6 +44,7 @@ from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
 from ..precision import fp8
 from ..precision.encoding import Precision
+from .casts import cast_together
 from .gather import BlockCall, BlockMembers, Gatherer
 from .passes import Passes
 from .stats import Stats
@@ -307,10 +308,12 @@ class BlockWeights(torch.autograd.Function):
     a step at 125M: `benchmarks/RESULTS.md`) was the largest part of what a compiled step spent
     beyond the floor's. They are cast here instead, by one multi-tensor copy per block call into
     tensors of their parameters' dtypes (and their own layouts), so autograd finds nothing to cast
-    and takes each as `.grad` (or adds it) as before: the same values, one kernel. A differentiable
-    backward (create_graph) leaves the casts to autograd, which records them. (Views of one buffer
-    per block instead of an allocation per gradient, cut by one unflatten call, made the node
-    slower on the H200 host, not faster: 14 view ops for 7 allocations, `benchmarks/RESULTS.md`.)
+    and takes each as `.grad` (or adds it) as before: the same values, one launch. The gradients the
+    reducer takes are cast likewise, a reduce group at a time (`GradReducer.reduce_grads`). A
+    differentiable backward (create_graph) leaves the casts to autograd, which records them. (Views
+    of one buffer per block instead of an allocation per gradient, cut by one unflatten call, made
+    the node slower on the H200 host, not faster: 14 view ops for 7 allocations,
+    `benchmarks/RESULTS.md`.)
     """
 
     @staticmethod
@@ -368,28 +371,11 @@ class BlockWeights(torch.autograd.Function):
                 casts.append((len(out), grad, dtype))
             out.append(grad)
         if len(casts) > 1 and not differentiable:  # [Note: a block's gradients are cast together]
-            cast = _cast_together([grad for _, grad, _ in casts], [dtype for _, _, dtype in casts])
+            cast = cast_together([grad for _, grad, _ in casts], [dtype for _, _, dtype in casts])
             for (i, _, _), c in zip(casts, cast):
                 out[i] = c
-        reduce_dtype = runtime.reduce_dtype
-        if reduce_dtype is not None and not differentiable:
-            # What the reducer would cast one by one into the reduce dtype (bf16 gradients of
-            # autograd's own linears into fp32), cast together as well.
-            late = [i for i, (_, g) in enumerate(sharded) if g.dtype != reduce_dtype]
-            if len(late) > 1:
-                cast = _cast_together([sharded[i][1] for i in late], [reduce_dtype] * len(late))
-                for i, c in zip(late, cast):
-                    sharded[i] = (sharded[i][0], c)
         runtime.reduce_grads(sharded, accumulated)
         return tuple(out)
-
-
-def _cast_together(grads: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-    """Each of `grads` as a new tensor of its dtype in `dtypes` (in its own layout), all
-    written by one multi-tensor copy: one kernel, not one per gradient."""
-    cast = [torch.empty_like(grad, dtype=dtype) for grad, dtype in zip(grads, dtypes)]
-    torch._foreach_copy_(cast, grads)
-    return cast
 
 
 _block_weights = _applied(BlockWeights)
