@@ -148,8 +148,8 @@ class Comm:
         if self.gather_copies is not None:  # casts on its own stream
             copies = self.gather_copies.all_gather(outs, shards)
             return [Pending((copies,), what, context) for _ in outs]
-        # A group's shards are cast into their outputs by one multi-tensor copy: one kernel
-        # launch per collective, not one per weight.
+        # A group's shards are cast into their outputs by one multi-tensor copy: on a GPU one
+        # kernel launch per collective, not one per weight.
         casts = [(own, s) for own, s in zip(owns, shards) if s.dtype != own.dtype]
         if casts:
             torch._foreach_copy_([own for own, _ in casts], [s for _, s in casts])

@@ -90,7 +90,7 @@ class GatherBufferPool:
         buffers = self._by_key.setdefault((numel, dtype, rank, world), [])
         for buf in buffers:
             # The gathering ones (a group's earlier weights of the same shape) are passed
-            # over without reading their storage.
+            # over on their flag, without a call of the state property each.
             if not buf.gathering and buf.state is BufferState.FREE:
                 break
         else:
