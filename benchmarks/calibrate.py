@@ -12,8 +12,9 @@ What it measures, each with a source line in the JSON:
   the fixed cost per layer (intercept: host time on a CPU, small kernels on a GPU);
 - host: GTP's time per weight use at world 1 (16 small Linears wrapped and not, as
   benchmarks/host_overhead.py), and at world 2: on gloo the rank's own CPU time, which leaves
-  out its waits for the peer (the model's collectives take those); on a GPU in a faked world
-  of two (fake_world.py: collectives issued and waited for, moving nothing);
+  out its waits for the peer (the model's collectives take those); on 2+ GPUs on NCCL's ranks,
+  on one GPU in a faked world of two (fake_world.py: collectives issued and waited for, moving
+  nothing, without NCCL's own launch cost);
 - collectives (gloo on CPU for worlds 2 and 4, NCCL for 2 up to all GPUs): flat all-gathers
   and reduce-scatters of several sizes, fitted to α + (n-2)·hop + (n-1)/n·bytes/GB/s; and the
   contention: a GEMM loop alone and beside an all-gather loop, each slowed by the other;
@@ -670,11 +671,15 @@ def main(argv: list[str] | None = None) -> None:
         k: {f: src(v, comm_src) for f, v in curve.items()} for k, curve in (curves or {}).items()
     }
     use = 0.0
-    if cuda:
-        use = measure_use_us_faked(budget, {"param_dtype": "bfloat16"})
-        how = "in a faked world (fake_world.py), rank 0 on the GPU"
+    bf16 = {"param_dtype": "bfloat16"}
+    if cuda and gpus >= 2:
+        use = measure_use_us_world2(budget, False, bf16)
+        how = "(NCCL)"
+    elif cuda:  # without NCCL's own launch cost per collective: see fake_world.py
+        use = measure_use_us_faked(budget, bf16)
+        how = "in a faked world (fake_world.py, no NCCL launch cost), rank 0 on the GPU"
     elif curves:
-        use = measure_use_us_world2(budget)
+        use = measure_use_us_world2(budget, True)
         how = "(gloo), the rank's own CPU time"
     if use:
         h["use_us"] = src(use, f"{here}: 16 Linear(64, 64) at world 2 {how}")
@@ -740,13 +745,14 @@ def fit_block_us(raw: dict, here: str) -> None:
     run["calibration"] = True
 
 
-def measure_use_us_world2(budget: Budget) -> float:
-    """GTP's extra host time per weight use at world 2 on gloo (spawned ranks)."""
+def measure_use_us_world2(budget: Budget, cpu: bool, policy: dict | None = None) -> float:
+    """GTP's extra host time per weight use at world 2 on spawned ranks: gloo's on CPU,
+    NCCL's on two GPUs."""
     if not budget.allows("host time per use at world 2", 30):
         return 0.0
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "use.json")
-        spawn(_use_rank, 2, True, out)
+        spawn(_use_rank, 2, cpu, out, policy)
         return float(json.loads(Path(out).read_text())["use_us"])
 
 

@@ -5,13 +5,15 @@ N-GPU step with one GPU (step_phases.py, host_overhead.py, calibrate.py).
 returns at once and moves nothing, so the engine's whole path for N ranks runs (gathers issued
 and waited for, saved weights rematerialized, gradients reduce-scattered) without a second GPU.
 A faked collective takes no device time and its buffers hold whatever they held (losses mean
-nothing); what a real step spends moving bytes is left out: at 125M, batch 1, on NVLink, about
-1 ms of gathers and 1.5 ms of fp32 reduce-scatters a step at 300 GB/s, beside a host-bound step
-of 20-30 ms. The host path is the real one: the same calls, the same waits (on NCCL a wait is a
-stream wait, as here a no-op), the same buffers and saved-tensor hooks. Rank 0 measures, on the
-GPU where there is one; the peers hide the GPU and run on CPU whatever the engine asks of them
-(the agreement checks at wrap and when a chain is recorded go through the store), then wait
-until rank 0 is done.
+nothing); what a real step spends moving bytes is left out: at 125M, batch 1, on NVLink, about 1
+ms of gathers and 1.5 ms of fp32 reduce-scatters a step at 300 GB/s, beside a host-bound step of
+20-30 ms. The engine's host path is the real one: the same calls, the same waits (on NCCL a wait
+is a stream wait, as here a no-op), the same buffers and saved-tensor hooks. The process group's
+own host work per collective is not: NCCL's kernel launch, its events and the bookkeeping of its
+watchdog are missing, so a faked world reads the host time of N ranks low by that much per
+collective (a group's weights share one). Rank 0 measures, on the GPU where there is one; the
+peers hide the GPU and run on CPU whatever the engine asks of them (the agreement checks at wrap
+and when a chain is recorded go through the store), then wait until rank 0 is done.
 """
 
 from __future__ import annotations
