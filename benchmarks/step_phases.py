@@ -76,8 +76,6 @@ TIMED = (
     ("reduce", "GradReducer", "reduce_grads"),
     ("gather", "Gatherer", "gather"),
     ("gather", "Gatherer", "_issue"),
-    ("gather", "Gatherer", "pack"),
-    ("gather", "Gatherer", "unpack"),
     ("casts", "Casts", "refresh"),
     ("engine", "GTPEngine", "open_forward"),
     ("engine", "GTPEngine", "close_forward"),

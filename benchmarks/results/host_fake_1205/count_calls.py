@@ -1,5 +1,6 @@
 """Python calls a tiny-GPT step makes, in a world of one or a faked world of two (rank 0's),
-counted with sys.setprofile after 5 warm-up steps: the same count on every run.
+counted with sys.setprofile after 5 warm-up steps: the same count on every run. On CPU: on a
+GPU the backward's Python runs on autograd's threads, which sys.setprofile does not see.
 
     python benchmarks/results/host_fake_1205/count_calls.py gtp_blocks [WORLD] [TOP]
 """
