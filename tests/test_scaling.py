@@ -47,6 +47,24 @@ def test_held_out_graphed_and_batch8_h200_steps_within_target() -> None:
         assert abs(c.error) <= TARGET, f"{c.label()}: {c.error:+.1%}"
 
 
+def test_a_run_in_a_faked_world_is_predicted_without_its_collectives() -> None:
+    """A run with `"comm": "faked"` (benchmarks/fake_world.py) is predicted on the cluster's
+    rates with collectives that take no time: a communication-bound graphed step on two ranks
+    predicts about the floor's, where the real collectives make it longer; the host-bound eager
+    floor, which issues none, is the same either way."""
+    free = H200.without_comm()
+    group = Group(size=8, per_node=4)
+    assert collective_s(free, "all_gather", 1e9, group) == 0.0
+    assert collective_s(H200, "all_gather", 1e9, group) > 0.0
+    run = {"model": "gpt_1p36b", "batch": 8, "seq": 2048, "mesh": "gtp=2"}
+    real = predicted_ms(H200, dict(run, method="gtp_graph"))
+    faked = predicted_ms(H200, dict(run, method="gtp_graph", comm="faked"))
+    floor = predicted_ms(H200, dict(run, method="floor_graph"))
+    assert faked < real and abs(faked / floor - 1) < 0.05, (faked, real, floor)
+    eager = dict(run, batch=1, method="floor")
+    assert predicted_ms(H200, dict(eager, comm="faked")) == predicted_ms(H200, eager)
+
+
 def test_a_runs_host_probe_scales_its_host_time_only() -> None:
     """A run whose host probe read twice the calibration's: the host-bound eager batch-1 floor
     is predicted twice as long where its host sets the pace; a graphed step (no host work per

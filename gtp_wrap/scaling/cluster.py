@@ -142,6 +142,15 @@ class Cluster:
         ranks = min(world, self.gpus_per_node)
         return max(1.0, ranks / self.compute_units_per_node)
 
+    def without_comm(self) -> Cluster:
+        """The same cluster with collectives that take no time and slow nothing beside them:
+        what a faked world of ranks measures (benchmarks/fake_world.py)."""
+        free = Curve(alpha_us=0.0, gbs=float("inf"), hop_us=0.0)
+        link = Link(free, free)
+        return dataclasses.replace(
+            self, intra=link, inter=link, contention_compute=1.0, contention_comm=1.0
+        )
+
     def with_inter_gbs(self, gbs: float) -> Cluster:
         """The same cluster with every inter-node curve at `gbs` GB/s per GPU."""
         inter = Link(

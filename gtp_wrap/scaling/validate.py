@@ -15,7 +15,9 @@ A run on a GPU carries `host_probe_ms`, benchmarks/host_probe.py's host-bound wo
 beside its steps: against the calibration's own (`host_probe_ms` of the JSON, measured on the
 host its host costs came from) it says how much slower that host launched work, which scales
 the prediction's host time (an eager batch-1 step is host-bound; hosts of one kind ran one
-step up to 1.8 x apart).
+step up to 1.8 x apart). A run with `"comm": "faked"` ran its ranks' collectives on torch's fake
+process group (benchmarks/fake_world.py: the engine's host path of N ranks on one device, no
+bytes moved), and is predicted with collectives that take no time.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class Check:
         r = self.run
         model = r["model"] if isinstance(r["model"], str) else r["model"]["name"]
         mesh = r.get("mesh") or "world 1"
-        return f"{model} b{r['batch']} {mesh} {r['method']}"
+        faked = " (faked comm)" if r.get("comm") == "faked" else ""
+        return f"{model} b{r['batch']} {mesh}{faked} {r['method']}"
 
 
 def run_model(run: dict[str, Any]) -> ModelConfig:
@@ -70,9 +73,10 @@ def plan_of(cluster: Cluster, run: dict[str, Any]) -> tuple[Plan, str]:
     method = run["method"]
     graphed = method.endswith("_graph")
     policy = run.get("policy", {})
+    faked = run.get("comm") == "faked"
     plan = Plan(
         run_model(run),
-        cluster,
+        cluster.without_comm() if faked else cluster,
         Mesh.parse(run.get("mesh", "")),
         batch=run["batch"],
         seq=run["seq"],
