@@ -340,21 +340,18 @@ def _block_casts(group_numel: int) -> dict:
     with _Casts() as backward:
         loss.backward()
     fp32, bf16 = torch.float32, torch.bfloat16
+
+    def copies(casts: _Casts, src: torch.dtype, dst: torch.dtype) -> list[tuple[int, int]]:
+        """(tensors, how many) of its multi-tensor copies from `src` to `dst`."""
+        return sorted((n, c) for (n, a, b), c in casts.foreach.items() if (a, b) == (src, dst))
+
     return {
-        "forward": {
-            "downcasts": forward.downcasts,
-            "shard_casts": sorted(
-                (n, c) for (n, src, dst), c in forward.foreach.items() if (src, dst) == (fp32, bf16)
-            ),
-        },  # fmt: skip
+        "forward": {"downcasts": forward.downcasts, "shard_casts": copies(forward, fp32, bf16)},
         "backward": {
             "downcasts": backward.downcasts,
-            "grad_casts": sorted(
-                (n, c)
-                for (n, src, dst), c in backward.foreach.items()
-                if (src, dst) == (bf16, fp32)
-            ),
-        },  # fmt: skip
+            "shard_casts": copies(backward, fp32, bf16),
+            "grad_casts": copies(backward, bf16, fp32),
+        },
         "block_upcasts": sum(backward.upcasts[s] for s in shapes),
     }
 
@@ -374,7 +371,7 @@ def _cases(rank: int, world: int) -> dict:
     results["misuse"] = _misuse()
     results["block_alone"] = _block_alone()
     results["block_chains"] = _block_chains()
-    results["block_casts"] = {n: _block_casts(n) for n in (0, 1 << 30)}
+    results["block_casts"] = {n: _block_casts(n) for n in (0, 20000, 1 << 30)}
     outer = gtp_wrap.compile(GTPWrap(_Outer(), POLICY))
     results["outside"] = caught(lambda: outer(torch.randn(2, 16)))
     return results
@@ -460,23 +457,31 @@ def test_a_blocks_weights_are_gathered_as_one_group() -> None:
 def test_a_groups_shards_and_a_blocks_gradients_are_cast_together_over_two_ranks() -> None:
     """bf16 over fp32 masters on two ranks, blocks on gathered weights (the GPT's 3 blocks of
     5 sharded weights, its embedding and head): every gather casts its group's fp32 shards into
-    the gather buffers with one multi-tensor copy, none one by one in either pass; each block's
-    bf16 weight gradients are cast to the fp32 reduce dtype with one per reduce group, none by
-    the reducer one at a time. With a group per weight (group_numel 0) a block's gradients are
-    cast one by one, each just before its own reduce-scatter: never more fp32 copies ahead of
-    the reducer than its groups hold."""
+    the gather buffers with one multi-tensor copy, none one by one in either pass; a block's
+    bf16 weight gradients are cast to the fp32 reduce dtype with one per run of them that fills
+    a reduce group, counted on from what the group already holds, none by the reducer one at a
+    time but a run of one. So never more fp32 copies wait for the reducer than its groups hold:
+    with a group per weight (group_numel 0) they are cast one by one, each as it joins."""
     for rank in _ranks():
-        one_group, per_weight = rank["block_casts"][1 << 30], rank["block_casts"][0]
+        cases = rank["block_casts"]
+        one_group, per_weight, mixed = cases[1 << 30], cases[0], cases[20000]
+        for case in cases.values():
+            assert case["forward"]["downcasts"] == case["backward"]["downcasts"] == 0, case
         # Everything one group: a gather of all 17 weights (16 in backward, without the
-        # embedding), and each block call's 5 gradients cast together.
-        assert one_group["forward"] == {"downcasts": 0, "shard_casts": [(17, 1)]}, one_group
-        assert one_group["backward"]["downcasts"] == 0, one_group
-        assert one_group["backward"]["grad_casts"] == [(2, 3), (5, 3)], one_group  # norms too
+        # embedding), and each block call's 5 gradients cast together (the 2s: its norms').
+        assert one_group["forward"]["shard_casts"] == [(17, 1)], one_group
+        assert one_group["backward"]["shard_casts"] == [(16, 1)], one_group
+        assert one_group["backward"]["grad_casts"] == [(2, 3), (5, 3)], one_group
         assert one_group["block_upcasts"] == 0, one_group
         # A group per block call (a block is never cut), the embedding and head alone.
-        assert per_weight["forward"] == {"downcasts": 0, "shard_casts": [(1, 2), (5, 3)]}
-        assert per_weight["backward"]["grad_casts"] == [(2, 3)], per_weight  # the norms'
+        assert per_weight["forward"]["shard_casts"] == [(1, 2), (5, 3)], per_weight
+        assert per_weight["backward"]["shard_casts"] == [(1, 1), (5, 3)], per_weight
+        assert per_weight["backward"]["grad_casts"] == [(2, 3)], per_weight
         assert per_weight["block_upcasts"] == 15, per_weight
+        # Groups of 20000 elements (a block holds 34816): reduce groups span block calls, and
+        # the head's gradient already in the first one: runs of 4, 4, 3, 2, 1 and 1 gradients.
+        assert mixed["backward"]["grad_casts"] == [(2, 4), (3, 1), (4, 2)], mixed
+        assert mixed["block_upcasts"] == 2, mixed
 
 
 def test_ranks_using_different_weights_of_a_block_train_exactly() -> None:

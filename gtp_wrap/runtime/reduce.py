@@ -174,35 +174,43 @@ class GradReducer(Part):
             self.ensure_backward()
             self._landed_now(accumulated, self.reduce_dtype)
         dtype = self.reduce_dtype
-        if dtype is None or torch.is_grad_enabled():  # nothing to cast, or create_graph
-            for w, g in grads:
+        if dtype is None or self.group_numel <= 0 or torch.is_grad_enabled():
+            for w, g in grads:  # nothing to cast, a group per gradient, or create_graph
                 self.reduce_grad(w, g)
             return
         # [Note: a reduce group's gradients are cast together] The reducer casts each gradient
-        # into the reduce dtype (a bf16 linear's weight gradient into fp32) before it joins its
+        # into the reduce dtype (a bf16 linear's weight gradient into fp32) as it joins its
         # group: a launch per weight. A block's are cast here by one multi-tensor copy per run
-        # of gradients that fills the collecting group, just before they join it, so no more
-        # fp32 copies are alive than the groups hold (casting a whole block's at once held up
-        # to its every weight's).
+        # of gradients that, by the reducer's count, fills the collecting group, just before
+        # they join it, so no more fp32 copies are alive than the groups hold (casting a whole
+        # block's at once held up to its every weight's).
         run: list[tuple[ShardedWeight, torch.Tensor]] = []
         numel = self._collecting.numel
-        for i, (w, g) in enumerate(grads):
-            run.append((w, g))
-            numel += g.numel()
-            if numel >= self.group_numel or i == len(grads) - 1:
+        for w, g in grads:
+            if run and w.axis is not run[-1][0].axis:  # the reducer issues the group here
                 self._reduce_cast_together(run, dtype)
                 run, numel = [], 0
+            run.append((w, g))
+            if w.index not in self.unreduced:  # what the group counts: the padded rows
+                numel += w.geometry.padded_rows * w.geometry.row_numel
+            if numel >= self.group_numel:
+                self._reduce_cast_together(run, dtype)
+                run, numel = [], self._collecting.numel  # held open: an expert stack's rest
+        if run:
+            self._reduce_cast_together(run, dtype)
 
     def _reduce_cast_together(
         self, grads: list[tuple[ShardedWeight, torch.Tensor]], dtype: torch.dtype
     ) -> None:
-        """`reduce_grad` for each of `grads`, in order; those it would cast into the reduce
-        dtype (not an unreduced or scaled one, which casts its own way) cast first, together."""
+        """`reduce_grad` for each of `grads`, in order; those it would only cast into the
+        reduce dtype cast first, together. Not an unreduced or scaled one (which casts its own
+        way), nor one whose padded or moved rows `reduce_grad` copies anyway (two fp32 copies
+        alive at once)."""
         late = [
             i
             for i, (w, g) in enumerate(grads)
-            if g.dtype != dtype and w.index not in self.unreduced
-            and w.index not in self.scale
+            if g.dtype != dtype and w.geometry.even_rows and g.is_contiguous()
+            and w.index not in self.unreduced and w.index not in self.scale
         ]  # fmt: skip
         if len(late) > 1:
             cast = cast_together([grads[i][1] for i in late], [dtype] * len(late))
