@@ -143,8 +143,10 @@ class Cluster:
         return max(1.0, ranks / self.compute_units_per_node)
 
     def without_comm(self) -> Cluster:
-        """The same cluster with collectives that take no time and slow nothing beside them:
-        what a faked world of ranks measures (benchmarks/fake_world.py)."""
+        """The same cluster with collectives that take no time and slow nothing beside them,
+        as in a faked world of ranks (benchmarks/fake_world.py). Its host costs stay as
+        calibrated: `use_us` and `fsdp2_block_us` still hold NCCL's own host work per
+        collective, which a faked world does not do."""
         free = Curve(alpha_us=0.0, gbs=float("inf"), hop_us=0.0)
         link = Link(free, free)
         return dataclasses.replace(
