@@ -14,11 +14,11 @@ the device after them: what the host worked for the step. On the H200 host it re
 of the step's wall time for every method (`results/cpu_time_1204/`): its threads are not kept
 waiting for a core; what moves steps between calls is how fast the host's cores run the work
 (their clock, or caches and memory shared with other tenants: these figures cannot tell which).
-The JSON carries `host_probe_ms` (benchmarks/host_probe.py, just before and after the rounds),
-which `gtp-plan validate` scales a stored run's host time by. Besides, the engine functions of
-`TIMED` are timed where they run (on the autograd thread too, where a GPU's backward runs them),
-so their share of each phase is read without a profiler, whose own overhead grows with the
-Python it traces. Each figure is the smallest, over the rounds, of a round's median per step.
+The JSON carries `host_probe_ms` (benchmarks/host_probe.py, timed after the rounds), which
+`gtp-plan validate` scales a stored run's host time by. Besides, the engine functions of `TIMED`
+are timed where they run (on the autograd thread too, where a GPU's backward runs them), so
+their share of each phase is read without a profiler, whose own overhead grows with the Python
+it traces. Each figure is the smallest, over the rounds, of a round's median per step.
 
 With `--fake-world N` the step runs at a world of N whose collectives are faked (torch's "fake"
 process-group backend: every collective returns at once and moves nothing), on one device: the
@@ -251,13 +251,14 @@ def main() -> None:
 def _rank(device: torch.device, args: argparse.Namespace, world: int = 1) -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)  # the host's own time, not intra-op threads'
-    probe = HostProbe(device)  # the host's speed just before and after (see host_probe.py)
-    before = probe()
     measured = measure(args, device, world)
-    host_probe_ms = statistics.mean([before, probe()])
+    # The host's speed (host_probe.py), after the rounds: before them, a faked world's peers
+    # are still building their models on this host's cores.
+    host_probe_ms = HostProbe(device)()
     result = {"command": {k: str(v) for k, v in vars(args).items()}, "device": str(device),
               "world": world, "host_probe_ms": host_probe_ms, **measured}  # fmt: skip
     print(table(result))
+    print(f"host_probe_ms {host_probe_ms:.3f}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

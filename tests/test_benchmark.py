@@ -185,6 +185,7 @@ def test_step_phases_in_a_faked_world_runs_the_engines_gathers(tmp_path: Path) -
     assert calls["GradReducer.reduce_grad"] == 62
     assert calls["BlockWeights.forward"] == calls["BlockWeights.backward"] == 12
     assert all(result["ms"][m]["step"] > 0 for m in result["ms"])
+    assert result["host_probe_ms"] > 0  # the host's speed, for gtp-plan validate
 
 
 def test_calibrate_times_a_use_of_two_ranks_in_a_faked_world(

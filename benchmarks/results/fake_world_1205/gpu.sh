@@ -21,6 +21,7 @@ run() {  # model batch rounds methods...
     --batch $batch --fused-adamw --rounds $rounds --warmup 3 --steps 10 --fake-world 2 \
     --methods "$@" ${BASE:+--baseline $BASE} --out $OUT/$name.json > $OUT/$name.log 2>&1
   echo $name rc=$?; grep "^| \(ms per\|step\|forward\|backward\|optimizer\) " $OUT/$name.log
+  grep host_probe_ms $OUT/$name.log
 }
 case $S in
   b) run ${2:-125M} 1 3 ${M:-floor gtp_blocks gtp fsdp2} ;;
