@@ -457,31 +457,31 @@ def test_a_blocks_weights_are_gathered_as_one_group() -> None:
 def test_a_groups_shards_and_a_blocks_gradients_are_cast_together_over_two_ranks() -> None:
     """bf16 over fp32 masters on two ranks, blocks on gathered weights (the GPT's 3 blocks of
     5 sharded weights, its embedding and head): every gather casts its group's fp32 shards into
-    the gather buffers with one multi-tensor copy, none one by one in either pass; a block's
-    bf16 weight gradients are cast to the fp32 reduce dtype with one per run of them that fills
-    a reduce group, counted on from what the group already holds, none by the reducer one at a
-    time but a run of one. So never more fp32 copies wait for the reducer than its groups hold:
-    with a group per weight (group_numel 0) they are cast one by one, each as it joins."""
+    the gather buffers with one multi-tensor copy, none one by one in either pass; the bf16
+    weight gradients of a reduce group are cast to the fp32 reduce dtype with one as the group
+    is issued, none one at a time but a group of one's. So no fp32 copy waits for its group to
+    fill: with a group per weight (group_numel 0) they are cast one by one, each as it goes."""
     for rank in _ranks():
         cases = rank["block_casts"]
         one_group, per_weight, mixed = cases[1 << 30], cases[0], cases[20000]
         for case in cases.values():
             assert case["forward"]["downcasts"] == case["backward"]["downcasts"] == 0, case
         # Everything one group: a gather of all 17 weights (16 in backward, without the
-        # embedding), and each block call's 5 gradients cast together (the 2s: its norms').
+        # embedding), and the 16 gradients cast together as their one reduce-scatter is
+        # issued (the 2s: each block call's norms', cast by its node).
         assert one_group["forward"]["shard_casts"] == [(17, 1)], one_group
         assert one_group["backward"]["shard_casts"] == [(16, 1)], one_group
-        assert one_group["backward"]["grad_casts"] == [(2, 3), (5, 3)], one_group
+        assert one_group["backward"]["grad_casts"] == [(2, 3), (16, 1)], one_group
         assert one_group["block_upcasts"] == 0, one_group
         # A group per block call (a block is never cut), the embedding and head alone.
         assert per_weight["forward"]["shard_casts"] == [(1, 2), (5, 3)], per_weight
         assert per_weight["backward"]["shard_casts"] == [(1, 1), (5, 3)], per_weight
         assert per_weight["backward"]["grad_casts"] == [(2, 3)], per_weight
         assert per_weight["block_upcasts"] == 15, per_weight
-        # Groups of 20000 elements (a block holds 34816): reduce groups span block calls, and
-        # the head's gradient already in the first one: runs of 4, 4, 3, 2, 1 and 1 gradients.
-        assert mixed["backward"]["grad_casts"] == [(2, 4), (3, 1), (4, 2)], mixed
-        assert mixed["block_upcasts"] == 2, mixed
+        # Reduce groups of 20000 elements (a block holds 34816) span block calls: copies of
+        # 3, 3, 4 and 4 gradients, and one block gradient alone in its group.
+        assert mixed["backward"]["grad_casts"] == [(2, 3), (3, 2), (4, 2)], mixed
+        assert mixed["block_upcasts"] == 1, mixed
 
 
 def test_ranks_using_different_weights_of_a_block_train_exactly() -> None:

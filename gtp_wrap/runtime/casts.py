@@ -26,7 +26,10 @@ from .stats import Stats
 def cast_together(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
     """Each of `tensors` as a new tensor of its dtype in `dtypes` (in its own layout), all
     written by one multi-tensor copy: on a GPU one kernel launch for those of one source and
-    target dtype, not one per tensor (on CPU it copies them one by one)."""
+    target dtype, not one per tensor (on CPU it copies them one by one). One tensor is cast
+    by a plain `.to`."""
+    if len(tensors) == 1:
+        return [tensors[0].to(dtypes[0])]
     cast = [torch.empty_like(t, dtype=dtype) for t, dtype in zip(tensors, dtypes)]
     torch._foreach_copy_(cast, tensors)
     return cast

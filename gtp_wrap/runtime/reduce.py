@@ -118,7 +118,7 @@ class GradReducer(Part):
                 and w.param.grad is None
                 and w.grad_state is not GradState.PENDING
             )
-            full = grad.to(dtype)
+            full = grad  # cast with its group's, as the group is issued (see `_issue`)
             # [Note: unflattened grads] A weight split into equal row blocks along dim 0 is
             # reduce-scattered as it is, into a new gradient of the shard's own shape: every
             # process-group backend splits the first dim, so neither side needs a view op
@@ -142,7 +142,7 @@ class GradReducer(Part):
             group.grads.append(PendingGrad(w, out, direct))
             group.fulls.append(full)
             group.numel += full.numel()
-            self.stats.bytes_reduced += full.numel() * full.element_size()
+            self.stats.bytes_reduced += full.numel() * dtype.itemsize
             if group.numel >= self.group_numel and self._unit_complete(group, w):
                 self._issue()
 
@@ -173,49 +173,6 @@ class GradReducer(Part):
         if accumulated:
             self.ensure_backward()
             self._landed_now(accumulated, self.reduce_dtype)
-        dtype = self.reduce_dtype
-        if dtype is None or self.group_numel <= 0 or torch.is_grad_enabled():
-            for w, g in grads:  # nothing to cast, a group per gradient, or create_graph
-                self.reduce_grad(w, g)
-            return
-        # [Note: a reduce group's gradients are cast together] The reducer casts each gradient
-        # into the reduce dtype (a bf16 linear's weight gradient into fp32) as it joins its
-        # group: a launch per weight. A block's are cast here by one multi-tensor copy per run
-        # of gradients that, by the reducer's count, fills the collecting group, just before
-        # they join it, so no more fp32 copies are alive than the groups hold (casting a whole
-        # block's at once held up to its every weight's).
-        run: list[tuple[ShardedWeight, torch.Tensor]] = []
-        numel = self._collecting.numel
-        for w, g in grads:
-            if run and w.axis is not run[-1][0].axis:  # the reducer issues the group here
-                self._reduce_cast_together(run, dtype)
-                run, numel = [], 0
-            run.append((w, g))
-            if w.index not in self.unreduced:  # what the group counts: the padded rows
-                numel += w.geometry.padded_rows * w.geometry.row_numel
-            if numel >= self.group_numel:
-                self._reduce_cast_together(run, dtype)
-                run, numel = [], self._collecting.numel  # held open: an expert stack's rest
-        if run:
-            self._reduce_cast_together(run, dtype)
-
-    def _reduce_cast_together(
-        self, grads: list[tuple[ShardedWeight, torch.Tensor]], dtype: torch.dtype
-    ) -> None:
-        """`reduce_grad` for each of `grads`, in order; those it would only cast into the
-        reduce dtype cast first, together. Not an unreduced or scaled one (which casts its own
-        way), nor one whose padded or moved rows `reduce_grad` copies anyway (two fp32 copies
-        alive at once)."""
-        late = [
-            i
-            for i, (w, g) in enumerate(grads)
-            if g.dtype != dtype and w.geometry.even_rows and g.is_contiguous()
-            and w.index not in self.unreduced and w.index not in self.scale
-        ]  # fmt: skip
-        if len(late) > 1:
-            cast = cast_together([grads[i][1] for i in late], [dtype] * len(late))
-            for i, c in zip(late, cast):
-                grads[i] = (grads[i][0], c)
         for w, g in grads:
             self.reduce_grad(w, g)
 
@@ -273,7 +230,18 @@ class GradReducer(Part):
             weights, "reduce-scatter of the gradients of", weights[0].what_reduce, ""
         )
         outs = [g.out for g in group.grads]
-        group.pending = self.comm.reduce_scatter(weights[0].axis, outs, group.fulls, what)
+        # [Note: a group's gradients are cast together] A gradient joins its group as it came
+        # (a bf16 linear's weight gradient) and the group's are cast into the reduce dtype here,
+        # by one multi-tensor copy: one launch per collective, not one per weight, and the
+        # fp32 copies exist only from the collective's issue on (the group held them from the
+        # first gradient's arrival before).
+        fulls = group.fulls
+        late = [i for i, f in enumerate(fulls) if f.dtype != outs[i].dtype]
+        if late:
+            cast = cast_together([fulls[i] for i in late], [outs[i].dtype for i in late])
+            for i, c in zip(late, cast):
+                fulls[i] = c
+        group.pending = self.comm.reduce_scatter(weights[0].axis, outs, fulls, what)
         group.fulls = []  # the collective holds its inputs until it completes
         self.stats.reduce_scatters += len(weights)
         prev, self._reducing = self._reducing, group

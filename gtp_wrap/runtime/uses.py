@@ -309,11 +309,11 @@ class BlockWeights(torch.autograd.Function):
     beyond the floor's. They are cast here instead, by one multi-tensor copy per block call into
     tensors of their parameters' dtypes (and their own layouts), so autograd finds nothing to cast
     and takes each as `.grad` (or adds it) as before: the same values, one launch. The gradients the
-    reducer takes are cast likewise, a reduce group at a time (`GradReducer.reduce_grads`). A
-    differentiable backward (create_graph) leaves the casts to autograd, which records them. (Views
-    of one buffer per block instead of an allocation per gradient, cut by one unflatten call, made
-    the node slower on the H200 host, not faster: 14 view ops for 7 allocations,
-    `benchmarks/RESULTS.md`.)
+    reducer takes are cast likewise, a reduce group at a time, as it is issued
+    (`GradReducer._issue`). A differentiable backward (create_graph) leaves the casts to autograd,
+    which records them. (Views of one buffer per block instead of an allocation per gradient, cut by
+    one unflatten call, made the node slower on the H200 host, not faster: 14 view ops for 7
+    allocations, `benchmarks/RESULTS.md`.)
     """
 
     @staticmethod
