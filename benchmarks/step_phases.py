@@ -18,7 +18,9 @@ The JSON carries `host_probe_ms` (benchmarks/host_probe.py, timed after the roun
 `gtp-plan validate` scales a stored run's host time by. Besides, the engine functions of `TIMED`
 are timed where they run (on the autograd thread too, where a GPU's backward runs them), so
 their share of each phase is read without a profiler, whose own overhead grows with the Python
-it traces. Each figure is the smallest, over the rounds, of a round's median per step.
+it traces. Each figure is the smallest, over the rounds, of a round's median per step; the JSON's
+`rounds_ms` (and the log's `rounds_ms` lines) keep every round's median step, the spread the
+best round hides.
 
 With `--fake-world N` the step runs at a world of N whose collectives are faked (torch's "fake"
 process-group backend: every collective returns at once and moves nothing), on one device: the
@@ -156,6 +158,8 @@ def measure(args: argparse.Namespace, device: torch.device, world: int = 1) -> d
     idx = batch_of(cfg, args.batch, args.seq, device)
     x, y = idx[:, :-1], idx[:, 1:]
     best: dict[str, dict[str, float]] = {m: {} for m in built}
+    # Each round's median step per method, to see the host's spread beside the best round.
+    rounds: dict[str, list[float]] = {m: [] for m in built}
     calls: dict[str, dict[str, int]] = {}
     for _ in range(args.rounds):
         for method, (model, optim, autocast) in built.items():
@@ -190,11 +194,12 @@ def measure(args: argparse.Namespace, device: torch.device, world: int = 1) -> d
             for key, values in per.items():
                 median = statistics.median(values)
                 best[method][key] = min(best[method].get(key, median), median)
+            rounds[method].append(1e3 * statistics.median(per["step"]))
     # The package whose engine each gtp method ran on.
     packages = {m: type(model._gtp_engine).__module__.split(".")[0]
                 for m, (model, _, _) in built.items() if m.startswith("gtp")}  # fmt: skip
     return {"ms": {m: {k: 1e3 * v for k, v in b.items()} for m, b in best.items()},
-            "calls_per_step": calls, "packages": packages}  # fmt: skip
+            "calls_per_step": calls, "packages": packages, "rounds_ms": rounds}  # fmt: skip
 
 
 def table(result: dict[str, Any]) -> str:
@@ -259,6 +264,8 @@ def _rank(device: torch.device, args: argparse.Namespace, world: int = 1) -> Non
               "world": world, "host_probe_ms": host_probe_ms, **measured}  # fmt: skip
     print(table(result))
     print(f"host_probe_ms {host_probe_ms:.3f}")
+    for method, values in measured["rounds_ms"].items():
+        print(f"rounds_ms {method} " + " ".join(f"{v:.2f}" for v in values))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
