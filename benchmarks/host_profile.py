@@ -82,7 +82,11 @@ def _profile(model: nn.Module, x: torch.Tensor, steps: int, top: int) -> str:
         _steps(model, x, steps)
         profiler.disable()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
+    if top:
+        stats.print_stats(top)
+    else:
+        stats.print_stats()
     return out.getvalue()
 
 
@@ -127,7 +131,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--top", type=int, default=30, help="functions in each profile")
+    ap.add_argument("--top", type=int, default=30, help="functions in each profile (0: all)")
     ap.add_argument("--out", type=Path, default=Path("host_profile"))
     args = ap.parse_args()
     torch.set_num_threads(1)

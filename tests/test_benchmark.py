@@ -148,6 +148,7 @@ def test_step_phases_times_each_phase_and_the_engines_functions(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert list(result["ms"]) == ["floor", "amp", "gtp_blocks", "gtp_blocks@base"]
+    assert {m: len(r) for m, r in result["rounds_ms"].items()} == dict.fromkeys(result["ms"], 1)
     # Each gtp method ran on its own tree's engine.
     assert result["packages"]["gtp_blocks"] == "gtp_wrap"
     assert result["packages"]["gtp_blocks@base"] == "gtp_wrap_baseline"
@@ -186,6 +187,25 @@ def test_step_phases_in_a_faked_world_runs_the_engines_gathers(tmp_path: Path) -
     assert calls["BlockWeights.forward"] == calls["BlockWeights.backward"] == 12
     assert all(result["ms"][m]["step"] > 0 for m in result["ms"])
     assert result["host_probe_ms"] > 0  # the host's speed, for gtp-plan validate
+
+
+def test_host_profile_splits_a_use_and_profiles_each_world(tmp_path: Path) -> None:
+    """host_profile.py: per weight use, forward, backward and backward on the calling thread,
+    for a world of one and a faked world of two; its profiles find the two-rank path's
+    gathers and reduce-scatters only where they are issued."""
+    cmd = [sys.executable, str(ROOT / "benchmarks/host_profile.py"), "--steps", "3",
+           "--rounds", "1", "--weights", "4", "--top", "0", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for world in ("world1", "world2_fake"):
+        per_use = json.loads((tmp_path / f"per_use_{world}.json").read_text())
+        assert {"forward", "backward", "backward_one_thread"} <= set(per_use)
+        assert all(per_use[f"plain_{p}_us"] > 0 for p in ("forward", "backward"))
+    one = (tmp_path / "profile_world1.txt").read_text()
+    two = (tmp_path / "profile_world2_fake.txt").read_text()
+    assert "uses.py" in one and "uses.py" in two  # the engine's own functions, both threads'
+    assert "_allgather_base" not in one and "_allgather_base" in two
+    assert "_reduce_scatter_base" in two
 
 
 def test_calibrate_times_a_use_of_two_ranks_in_a_faked_world(
