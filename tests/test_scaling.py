@@ -13,8 +13,8 @@ import pytest
 from gtp_wrap.scaling import Mesh, Plan, Precision, load_cluster, predict
 from gtp_wrap.scaling.chain import Stage, simulate
 from gtp_wrap.scaling.cli import main
-from gtp_wrap.scaling.cluster import ClusterError
-from gtp_wrap.scaling.collectives import collective_s
+from gtp_wrap.scaling.cluster import ClusterError, Curve, Link
+from gtp_wrap.scaling.collectives import KINDS, collective_s
 from gtp_wrap.scaling.mesh import Group, MeshError
 from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig, model_by_name
 from gtp_wrap.scaling.precision import PrecisionError
@@ -57,9 +57,10 @@ def test_a_run_in_a_faked_world_is_predicted_without_its_collectives() -> None:
     predicts about the floor's, where the real collectives make it longer; the host-bound eager
     floor, which issues none, is the same either way."""
     free = H200.without_comm()
-    group = Group(size=8, per_node=4)
-    assert collective_s(free, "all_gather", 1e9, group) == 0.0
-    assert collective_s(H200, "all_gather", 1e9, group) > 0.0
+    for group in (Group(size=2, per_node=8), Group(size=8, per_node=4)):  # a node, and two
+        for kind in KINDS:
+            assert collective_s(free, kind, 1e9, group) == 0.0, (kind, group)
+            assert collective_s(H200, kind, 1e9, group) > 0.0, (kind, group)
     run = {"model": "gpt_1p36b", "batch": 8, "seq": 2048, "mesh": "gtp=2"}
     real = predicted_ms(H200, dict(run, method="gtp_graph"))
     faked = predicted_ms(H200, dict(run, method="gtp_graph", comm="faked"))
@@ -67,6 +68,28 @@ def test_a_run_in_a_faked_world_is_predicted_without_its_collectives() -> None:
     assert faked < real and abs(faked / floor - 1) < 0.05, (faked, real, floor)
     eager = dict(run, batch=1, method="floor")
     assert predicted_ms(H200, dict(eager, comm="faked")) == predicted_ms(H200, eager)
+    # FSDP2's gathers and reduce-scatters go too: its faked step is its host time and compute,
+    # within 1 % of the same step with links a million times faster.
+    fsdp2 = dict(run, method="fsdp2")
+    fast = dataclasses.replace(
+        H200,
+        intra=_scaled_link(H200.intra, 1e6),
+        inter=_scaled_link(H200.inter, 1e6),
+        contention_compute=1.0,
+        contention_comm=1.0,
+    )
+    faked_fsdp2 = predicted_ms(H200, dict(fsdp2, comm="faked"))
+    assert faked_fsdp2 < predicted_ms(H200, fsdp2)
+    assert abs(faked_fsdp2 / predicted_ms(fast, fsdp2) - 1) < 0.01
+
+
+def _scaled_link(link: Link, times: float) -> Link:
+    """`link` with every curve `times` faster: latencies divided, bandwidths multiplied."""
+
+    def faster(c: Curve) -> Curve:
+        return Curve(alpha_us=c.alpha_us / times, gbs=c.gbs * times, hop_us=c.hop_us / times)
+
+    return Link(faster(link.all_gather), faster(link.reduce_scatter))
 
 
 def test_a_runs_host_probe_scales_its_host_time_only() -> None:
