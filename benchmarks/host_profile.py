@@ -4,19 +4,23 @@ and a profile of the Python functions (issue 21).
     python benchmarks/host_profile.py [--device cuda] [--policy fp32] [--out DIR]
 
 host_overhead.py's stack of tiny Linears (one weight per gather), at a world of 1 and in a faked
-world of 2 (fake_world.py, rank 0 on the device), timed three ways per weight use beyond the
-plain model: the forward alone, the backward alone (each by wall time with the device
-synchronized after it: the layers are too small for kernels to be what is waited for), and the
-backward again with autograd's device threads off (`torch.autograd.set_multithreading_enabled`:
-a GPU's backward then runs on the calling thread). On CPU backward always runs on the calling
-thread; on a GPU, autograd hands it to a thread of its own, and each Python autograd Function
-(the engine's) then takes the GIL on that thread: the difference of the two backward figures is
-what that hand-off costs. Last, with the threads off, `cProfile` records forward and backward
-(the profiler sees only its own thread, hence the threads off) and the functions with the most
-own time are written to `DIR/profile_<world>.txt`.
+world of 2 (fake_world.py, rank 0 on the device), timed per step in four phases: the forward,
+the backward, the backward with autograd's device threads off
+(`torch.autograd.set_multithreading_enabled`: a GPU's backward then runs on the calling thread),
+and `zero_grad`. Each is wall time with the device synchronized after it: the layers are too
+small for kernels to be what is waited for. The two kinds of backward alternate step by step, so
+neither gains from coming second. On CPU backward always runs on the calling thread; on a GPU,
+autograd hands it to a thread of its own, and each Python autograd Function (the engine's) then
+takes the GIL on that thread: the difference of the two backward figures is what that hand-off
+costs. Last, with the threads off, `cProfile` records forward and backward on rank 0 and the
+functions with the most own time are written to `DIR/profile_<world>.txt`: cProfile keeps one
+call stack, that of the thread it was enabled on, so a backward on autograd's thread would be
+missing from it.
 
-Each figure is the fastest of `--rounds` rounds of `--steps` steps, with the garbage collector
-held off inside a round.
+A figure is per weight use beyond the plain model: the phase's extra time divided by the uses of
+a step, two per weight (the forward's and backward's re-gather), so the forward's and zero_grad's
+figures are their shares of a use. Each is the fastest of `--rounds` rounds of `--steps` steps,
+with the garbage collector held off inside a round.
 """
 
 from __future__ import annotations
@@ -38,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fake_world  # noqa: E402
 from host_overhead import POLICIES, _model, _steps, _wrap  # noqa: E402
 
-PHASES = ("forward", "backward", "backward_one_thread")
+PHASES = ("forward", "backward", "backward_one_thread", "zero_grad")
 
 
 def _phase_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> dict[str, float]:
-    """The fastest round's forward, backward and single-threaded backward, µs per step."""
+    """The fastest round's time per step of each phase, µs."""
 
     def now() -> float:
         if x.is_cuda:
@@ -56,19 +60,22 @@ def _phase_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> dic
         gc.disable()
         spent = dict.fromkeys(PHASES, 0.0)
         for step in range(2 * steps):
-            one_thread = step >= steps
+            one_thread = step % 2 == 1
             start = now()
             loss = model(x).sum()
             forward_done = now()
             with torch.autograd.set_multithreading_enabled(not one_thread):
                 loss.backward()
+            backward_done = now()
+            model.zero_grad(set_to_none=True)
             done = now()
             spent["forward"] += forward_done - start
-            spent["backward_one_thread" if one_thread else "backward"] += done - forward_done
-            model.zero_grad(set_to_none=True)
+            backward = "backward_one_thread" if one_thread else "backward"
+            spent[backward] += backward_done - forward_done
+            spent["zero_grad"] += done - backward_done
         gc.enable()
         for phase in PHASES:
-            per_step = spent[phase] / (2 * steps if phase == "forward" else steps)
+            per_step = spent[phase] / (steps if phase.startswith("backward") else 2 * steps)
             best[phase] = min(best[phase], per_step * 1e6)
     return best
 
@@ -90,8 +97,11 @@ def _profile(model: nn.Module, x: torch.Tensor, steps: int, top: int) -> str:
     return out.getvalue()
 
 
-def measure(args: argparse.Namespace, device: str) -> tuple[dict[str, float], str]:
-    """Per weight use beyond the plain model, µs per phase; and the wrapped model's profile."""
+def measure(
+    args: argparse.Namespace, device: str, profile: bool = True
+) -> tuple[dict[str, float], str]:
+    """Per weight use beyond the plain model, µs per phase; and the wrapped model's profile
+    (empty where `profile` is off)."""
     policy = POLICIES[args.policy]
     dtype = torch.bfloat16 if "param_dtype" in policy else torch.float32
 
@@ -105,16 +115,18 @@ def measure(args: argparse.Namespace, device: str) -> tuple[dict[str, float], st
     uses = 2 * args.weights  # a forward use and a re-gather in backward per weight
     per_use = {p: round((wrapped[p] - plain[p]) / uses, 2) for p in PHASES}
     per_use.update({f"plain_{p}_us": round(plain[p], 1) for p in PHASES})
-    return per_use, _profile(model, x, args.steps, args.top)
+    return per_use, _profile(model, x, args.steps, args.top) if profile else ""
 
 
 def _faked(rank: int, device: torch.device, args: argparse.Namespace, out: Path) -> None:
-    """A rank of the faked world of 2: rank 0 measures on `device`, the peer runs the same
-    steps on CPU for the engine's agreement checks."""
+    """A rank of the faked world of 2: rank 0 measures on `device`; the peer wraps the same
+    model and records the same chains (the engine's agreement checks go through the store),
+    then a single step is all it needs, as faked collectives never wait for it."""
     torch.set_num_threads(1)
-    got = measure(args, device.type)
     if rank == 0:
-        _write(out, "world2_fake", got)
+        _write(out, "world2_fake", measure(args, device.type))
+    else:
+        measure(argparse.Namespace(**{**vars(args), "steps": 1, "rounds": 1}), "cpu", False)
 
 
 def _write(out: Path, world: str, got: tuple[dict[str, float], str]) -> None:

@@ -190,22 +190,24 @@ def test_step_phases_in_a_faked_world_runs_the_engines_gathers(tmp_path: Path) -
 
 
 def test_host_profile_splits_a_use_and_profiles_each_world(tmp_path: Path) -> None:
-    """host_profile.py: per weight use, forward, backward and backward on the calling thread,
-    for a world of one and a faked world of two; its profiles find the two-rank path's
-    gathers and reduce-scatters only where they are issued."""
+    """host_profile.py: per weight use, forward, backward, backward on the calling thread and
+    zero_grad, for a world of one and a faked world of two; both profiles hold the backward
+    (recorded on the calling thread), and only the two-rank one its gathers and
+    reduce-scatters."""
     cmd = [sys.executable, str(ROOT / "benchmarks/host_profile.py"), "--steps", "3",
            "--rounds", "1", "--weights", "4", "--top", "0", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for world in ("world1", "world2_fake"):
         per_use = json.loads((tmp_path / f"per_use_{world}.json").read_text())
-        assert {"forward", "backward", "backward_one_thread"} <= set(per_use)
+        assert {"forward", "backward", "backward_one_thread", "zero_grad"} <= set(per_use)
         assert all(per_use[f"plain_{p}_us"] > 0 for p in ("forward", "backward"))
     one = (tmp_path / "profile_world1.txt").read_text()
     two = (tmp_path / "profile_world2_fake.txt").read_text()
-    assert "uses.py" in one and "uses.py" in two  # the engine's own functions, both threads'
+    assert "uses.py" in one and "uses.py" in two  # the engine's own functions
+    assert "(reduce_grad)" in one and "(reduce_grad)" in two  # backward's, on the calling thread
     assert "_allgather_base" not in one and "_allgather_base" in two
-    assert "_reduce_scatter_base" in two
+    assert "_reduce_scatter_base" not in one and "_reduce_scatter_base" in two
 
 
 def test_calibrate_times_a_use_of_two_ranks_in_a_faked_world(
