@@ -9,12 +9,15 @@ What it measures, each with a source line in the JSON:
   attention (SDPA forward and backward), the optimizer's memory rate (AdamW over a flat
   buffer, 28 bytes per element), and the plain model's forward and backward at two batches,
   whose time beyond GEMMs, attention and loss gives the elementwise bytes per token (slope) and
-  the fixed cost per layer (intercept: host time on a CPU, small kernels on a GPU);
-- host: GTP's time per weight use at world 1 (16 small Linears wrapped and not, as
-  benchmarks/host_overhead.py), and at world 2: on gloo the rank's own CPU time, which leaves
-  out its waits for the peer (the model's collectives take those); on 2+ GPUs on NCCL's ranks,
-  on one GPU in a faked world of two (fake_world.py: collectives issued and waited for, moving
-  nothing, without NCCL's own launch cost);
+  the fixed cost per layer (intercept: host time on a CPU; on a GPU small kernels, fitted to
+  steps captured in a CUDA graph, so that the host's launches are not in them: the eager
+  steps are kept as held-out runs);
+- host: on a GPU, the host's time per layer of the plain model (its eager step at 32 tokens,
+  which the launches set); GTP's time per weight use at world 1 (16 small Linears wrapped and
+  not, as benchmarks/host_overhead.py), and at world 2: on gloo the rank's own CPU time,
+  which leaves out its waits for the peer (the model's collectives take those); on 2+ GPUs on
+  NCCL's ranks, on one GPU in a faked world of two (fake_world.py: collectives issued and
+  waited for, moving nothing, without NCCL's own launch cost);
 - collectives (gloo on CPU for worlds 2 and 4, NCCL for 2 up to all GPUs): flat all-gathers
   and reduce-scatters of several sizes, fitted to α + (n-2)·hop + (n-1)/n·bytes/GB/s; and the
   contention: a GEMM loop alone and beside an all-gather loop, each slowed by the other;
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -291,21 +295,50 @@ def plain_step(
     device: torch.device,
     dtype: torch.dtype,
     probe: Callable[[], object],
+    graphed: bool = False,
+    seq: int | None = None,
 ) -> tuple[float, float]:
     """(seconds, probe seconds) of the plain model's forward, loss and backward (fastest of
-    the reps, see `timed_probed`)."""
+    the reps, see `timed_probed`) at `seq` tokens (default the model's); `graphed`: captured
+    in one CUDA graph and replayed, so the device's time alone, without the host's."""
     torch.manual_seed(0)
     with torch.device(device):
         net = GPT(gpt_config(model)).to(dtype)
-    idx = torch.randint(0, model.vocab, (batch, model.seq + 1), device=device)
+    idx = torch.randint(0, model.vocab, (batch, (seq or model.seq) + 1), device=device)
 
-    def step() -> None:
+    def forward_backward() -> None:
         loss = F.cross_entropy(net(idx[:, :-1]).float().flatten(0, 1), idx[:, 1:].flatten())
         loss.backward()
+
+    def step() -> None:
+        forward_backward()
         for p in net.parameters():
             p.grad = None
 
+    if graphed:  # the replays write the gradients the capture allocated, in place
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture asks
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward_backward()
+        return timed_probed(graph.replay, probe, device, 10)
     return timed_probed(step, probe, device, 7 if device.type == "cpu" else 10)
+
+
+def host_layer_us(
+    model: ModelConfig, device: torch.device, dtype: torch.dtype, probe: Callable[[], object]
+) -> tuple[float, float]:
+    """(µs of host time per layer of an eager forward and backward, the device's share of
+    that step) on a GPU: the plain model at 32 tokens, whose kernels take a small part of the
+    time the host takes to launch them, so its eager step is the host's time; its graphed
+    replay says how small that part is."""
+    eager, _ = plain_step(model, 1, device, dtype, probe, seq=32)
+    graphed, _ = plain_step(model, 1, device, dtype, probe, graphed=True, seq=32)
+    return eager / model.layers * 1e6, graphed / eager
 
 
 def fit_layers(
@@ -318,13 +351,19 @@ def fit_layers(
 ) -> tuple[float, float, list[dict]]:
     """(elementwise bytes per token per element of d + ffn, fixed µs per layer, the runs) from
     the plain model's steps: what GEMMs, attention and the loss leave. Each step is scaled by
-    the probe timed just before it against the calibration's (the machine's load moves)."""
+    the probe timed just before it against the calibration's (the machine's load moves). On a
+    GPU the fit takes the steps replayed from a CUDA graph (the device's time) and the runs
+    hold the eager steps too."""
     cluster = cluster_from_dict(raw, "rates")
     hbm = raw["compute"]["hbm_gbs"]["value"] * 1e9
     rows, ys, runs = [], [], []
+    graphed = device.type == "cuda"
     for batch in batches:
-        seconds, now = plain_step(model, batch, device, dtype, probe)
-        runs.append({"batch": batch, "seconds": seconds, "probe_s": now})
+        seconds, now = plain_step(model, batch, device, dtype, probe, graphed=graphed)
+        runs.append({"batch": batch, "seconds": seconds, "probe_s": now, "graphed": graphed})
+        if graphed:  # held out: the fit's device time and the host's per layer, together
+            eager, eager_probe = plain_step(model, batch, device, dtype, probe)
+            runs.append({"batch": batch, "seconds": eager, "probe_s": eager_probe})
         seconds *= raw["probe_s"]["value"] / now
         plan = Plan(model, cluster, Mesh(), batch=batch)
         gemm = sum(
@@ -539,6 +578,12 @@ def _step_rank(device: torch.device, job: StepJob) -> None:
 
 
 def spawn(fn: Callable, world: int, cpu: bool, *args) -> None:
+    # The ranks share the GPU with this process, whose allocator still caches the blocks of
+    # the plain steps (46 GiB after 1.36B at batch 8): handed back first, or a rank runs out
+    # of memory on an 80 GiB card.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     launch(fn, world, *args, cpu=cpu, oversubscribe=cpu)
 
 
@@ -625,11 +670,17 @@ def main(argv: list[str] | None = None) -> None:
         "beyond GEMMs, attention and loss (slope)",
     )
     fixed = src(per_layer, f"{here}: the same fit's intercept per layer")
-    if cuda:  # small kernels on the device; the host runs ahead
-        c["layer_overhead_us"] = fixed
-    else:  # on a CPU the fixed cost per layer is the host's dispatch
-        raw["host"]["layer_us"] = fixed
     h = raw["host"]
+    if cuda:  # small kernels on the device; the host runs ahead, its launches timed apart
+        c["layer_overhead_us"] = fixed
+        layer_us, device_share = host_layer_us(model, device, dtype, loop)
+        h["layer_us"] = src(
+            layer_us,
+            f"{here}: the plain model's eager step at 32 tokens, batch 1, per layer (its "
+            f"graphed replay took {device_share:.0%} of it)",
+        )
+    else:  # on a CPU the fixed cost per layer is the host's dispatch
+        h["layer_us"] = fixed
     print("calibrate: host time per use", flush=True)
     local = measure_use_us(device, {} if not cuda else {"param_dtype": "bfloat16"})
     h["use_us_local"] = src(local, f"{here}: 16 Linear(64, 64) wrapped or not, world 1")
@@ -782,23 +833,26 @@ def runs_of(
     model: ModelConfig, plain: list[dict], steps: list[dict], cuda: bool, here: str
 ) -> list[dict]:
     """The measured steps as runs for `gtp-plan validate`: the plain model's (calibration:
-    the elementwise and per-layer fit) and GTP's (held out; `fit_block_us` marks the one it
+    the elementwise and per-layer fit; on a GPU its graphed steps, the eager ones held out) and
+    GTP's (held out; `fit_block_us` marks the one it
     fits to)."""
     spec = dataclasses.asdict(model)
     gather = {} if cuda else {"gather": "fp32"}
     out = []
     for r in plain:
+        # On a GPU the graphed steps are fitted to, the eager ones held out.
+        fitted = r.get("graphed", False) or not cuda
         out.append(
             {
                 "model": spec,
                 "batch": r["batch"],
                 "seq": model.seq,
                 "mesh": "",
-                "method": "plain",
+                "method": "plain_graph" if r.get("graphed") else "plain",
                 "probe_s": r["probe_s"],
                 "measured_ms": round(r["seconds"] * 1e3, 3),
                 "source": here,
-                "calibration": True,
+                "calibration": fitted,
             }
         )
     for r in steps:
