@@ -86,6 +86,7 @@ TIMED = (
     ("engine", "GTPEngine", "_end_backward"),
 )
 BASELINE = "gtp_wrap_baseline"
+ONE_THREAD = "/1t"  # the suffix of a method run with its backward on the calling thread
 
 
 def load_baseline(tree: Path) -> types.ModuleType:
@@ -155,6 +156,8 @@ def measure(args: argparse.Namespace, device: torch.device, world: int = 1) -> d
     if base is not None:
         for m in [m for m in args.methods if m.startswith("gtp")]:
             built[f"{m}@base"] = _build(m, cfg, device, world, {}, args.fused_adamw, base)
+    if args.one_thread:
+        built.update({f"{m}{ONE_THREAD}": b for m, b in list(built.items())})
     idx = batch_of(cfg, args.batch, args.seq, device)
     x, y = idx[:, :-1], idx[:, 1:]
     best: dict[str, dict[str, float]] = {m: {} for m in built}
@@ -171,14 +174,15 @@ def measure(args: argparse.Namespace, device: torch.device, world: int = 1) -> d
                 before = dict(timers.seconds)
                 _sync(device)
                 t0, c0 = time.perf_counter(), time.process_time()
-                with torch.autocast(device.type, autocast, enabled=autocast is not None):
-                    loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                optim.step()
-                t3 = time.perf_counter()
-                clear_grads(method, model, optim)
+                with torch.autograd.set_multithreading_enabled(not method.endswith(ONE_THREAD)):
+                    with torch.autocast(device.type, autocast, enabled=autocast is not None):
+                        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                    optim.step()
+                    t3 = time.perf_counter()
+                    clear_grads(method, model, optim)
                 t4, c4 = time.perf_counter(), time.process_time()
                 _sync(device)
                 t5 = time.perf_counter()
@@ -238,6 +242,11 @@ def main() -> None:
         default=1,
         metavar="N",
         help="a world of N ranks whose collectives are faked (one device)",
+    )
+    ap.add_argument(
+        "--one-thread",
+        action="store_true",
+        help="also run each method with its backward on the calling thread (<method>/1t)",
     )
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
