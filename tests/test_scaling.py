@@ -24,7 +24,7 @@ from gtp_wrap.scaling.validate import TARGET, check, predicted_ms
 H200 = load_cluster("h200")
 
 
-@pytest.mark.parametrize("name", ["h200", "cpu_gloo"])
+@pytest.mark.parametrize("name", ["h200", "h100", "cpu_gloo"])
 def test_calibration_runs_are_reproduced(name: str) -> None:
     checks = [c for c in check(load_cluster(name)) if c.calibration]
     assert checks, f"{name} stores no calibration runs"
