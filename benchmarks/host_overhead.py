@@ -5,6 +5,7 @@
     python benchmarks/host_overhead.py --callgrind [--steps 40]     # instructions, world of 1
     python benchmarks/host_overhead.py --block 4       # blocks of 4 layers on gathered weights
     python benchmarks/host_overhead.py --device cuda   # worlds of 1 and faked 2 on a GPU
+    python benchmarks/host_overhead.py --device cuda --one-thread   # backward on the caller
 
 A stack of `--weights` tiny `nn.Linear` layers runs forward and backward with and without
 GTPWrap, in a world of 1 (the engine's Python path alone: no collective is issued), of 2 spawned
@@ -47,6 +48,10 @@ which), not time its threads wait for a core. "Per use" divides the step's extra
 uses per weight: its forward use and its re-gather in backward. Each figure is the fastest of
 `--rounds` rounds of `--steps` steps, with the garbage collector held off inside a round (as
 `timeit` does).
+
+With `--one-thread` every step, plain and wrapped, runs with
+`torch.autograd.set_multithreading_enabled(False)`: a GPU's backward runs on the calling thread,
+not handed to autograd's device thread (on CPU backward runs there anyway).
 """
 
 from __future__ import annotations
@@ -169,6 +174,7 @@ def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> 
 def measure(args: argparse.Namespace, device: str) -> dict[str, dict[str, float]]:
     """Per policy: the plain and the wrapped step's CPU time and the extra per weight use."""
     weights, steps, rounds = args.weights, args.steps, args.rounds
+    torch.autograd.set_multithreading_enabled(not args.one_thread)  # for this process's steps
 
     def build() -> nn.Module:
         return _model(weights, args.width, args.bias, args.block, device)
@@ -293,6 +299,9 @@ def main() -> None:
         "--block", type=int, default=0, help="layers per block on gathered weights (0: per use)"
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (worlds of 1 and faked 2)")
+    parser.add_argument(
+        "--one-thread", action="store_true", help="backward on the calling thread (see above)"
+    )
     args = parser.parse_args()
     if args.run_steps is not None:
         _run_steps(args)
