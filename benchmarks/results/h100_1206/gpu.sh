@@ -4,6 +4,8 @@
 # the 12-05 call's runs held out; predict_first.py then predicts the step_phases runs below,
 # before they run; the 125M batch-1 runs also time each method with its backward on the
 # calling thread (--one-thread). Everything lands in $OUT; h100.json and predicted.json too.
+# Call b (about 6 minutes): host_overhead.py per use at worlds 1 and faked 2, with autograd's
+# device thread and without it (--one-thread), alternating, twice each.
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -30,4 +32,13 @@ case ${1:-a} in
     phases phases_w1_125M_b8 80 2 125M 8 floor gtp_blocks gtp
     phases phases_w1_1.36B_b4 100 2 1.36B 4 floor gtp_blocks
     X="--fake-world 2" phases phases_f2_125M_b1 120 3 125M 1 floor gtp_blocks gtp fsdp2 ;;
+  b)
+    for i in 1 2; do
+      for mode in threads one_thread; do
+        flag=; [ $mode = one_thread ] && flag=--one-thread
+        timeout 170 python3 benchmarks/host_overhead.py --device cuda --steps 100 --rounds 7 \
+          $flag --out $OUT/host_overhead_${mode}_$i.json > $OUT/host_overhead_${mode}_$i.log 2>&1
+        echo host_overhead $mode $i rc=$?; tail -3 $OUT/host_overhead_${mode}_$i.log
+      done
+    done ;;
 esac
