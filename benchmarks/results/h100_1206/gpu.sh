@@ -4,11 +4,12 @@
 # the 12-05 call's runs held out; predict_first.py then predicts the step_phases runs below,
 # before they run; the 125M batch-1 runs also time each method with its backward on the
 # calling thread (--one-thread). Everything lands in $OUT; h100.json and predicted.json too.
+# On an H200 the calibration is the committed h200.json: no calibrate.py, the rest the same.
 # Call b (about 6 minutes): host_overhead.py per use at worlds 1 and faked 2, with autograd's
 # device thread and without it (--one-thread), alternating, twice each.
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name --format=csv,noheader
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo $GPU
 phases() {  # name timeout rounds model batch methods... (extra flags in $X)
   local name=$1 limit=$2 rounds=$3 model=$4 batch=$5; shift 5
   timeout $limit python3 benchmarks/step_phases.py --model $model --batch $batch --fused-adamw \
@@ -19,14 +20,18 @@ phases() {  # name timeout rounds model batch methods... (extra flags in $X)
 }
 case ${1:-a} in
   a)
-    ( time timeout 300 python3 benchmarks/calibrate.py --name h100 --model gpt_1p36b \
-        --batches 1 8 --budget-s 240 --out $OUT/h100_calibrated.json ) > $OUT/calibrate.log 2>&1
-    echo calibrate rc=$?; tail -4 $OUT/calibrate.log
-    python3 benchmarks/calibration/scripts/h100_from_calibrate.py $OUT/h100_calibrated.json \
-      benchmarks/results/h100_1205/h100_calibrated.json || exit 1
-    cp benchmarks/calibration/h100.json $OUT/
-    python3 benchmarks/results/h100_1206/predict_first.py $OUT/predicted.json || exit 1
-    python3 -m gtp_wrap.scaling.cli validate --cluster h100 > $OUT/validate.txt 2>&1
+    CLUSTER=h200
+    if [[ $GPU == *H100* ]]; then
+      CLUSTER=h100
+      ( time timeout 300 python3 benchmarks/calibrate.py --name h100 --model gpt_1p36b \
+          --batches 1 8 --budget-s 240 --out $OUT/h100_calibrated.json ) > $OUT/calibrate.log 2>&1
+      echo calibrate rc=$?; tail -4 $OUT/calibrate.log
+      python3 benchmarks/calibration/scripts/h100_from_calibrate.py $OUT/h100_calibrated.json \
+        benchmarks/results/h100_1205/h100_calibrated.json || exit 1
+      cp benchmarks/calibration/h100.json $OUT/
+    fi
+    python3 benchmarks/results/h100_1206/predict_first.py $CLUSTER $OUT/predicted.json || exit 1
+    python3 -m gtp_wrap.scaling.cli validate --cluster $CLUSTER > $OUT/validate.txt 2>&1
     tail -1 $OUT/validate.txt
     X=--one-thread phases phases_w1_125M_b1 100 4 125M 1 floor gtp_blocks gtp fsdp2
     phases phases_w1_125M_b8 80 2 125M 8 floor gtp_blocks gtp
