@@ -5,7 +5,7 @@
 The first JSON gives every rate calibrate.py measures on one GPU (GEMMs, attention, HBM,
 elementwise bytes, per-layer overhead, the host's costs and its probe) and its runs: the plain
 model's graphed steps are the calibration set, every other run is held out. Later JSONs (other
-calls on H100s) add their GTP and floor runs, held out. What one H100 cannot measure is taken
+calls on H100s) add all their runs, held out. What one H100 cannot measure is taken
 from benchmarks/calibration/h200.json and says so in its source: the NVLink curves (an HGX H100
 has the H200's NVLink 4 and NVSwitch, 900 GB/s per GPU), the GEMM-beside-all-gather contention,
 the inter-node links (nominal there too) and the FP8/NVFP4 decode kernels (memory-bound kernels,
@@ -70,9 +70,8 @@ def build(calibrated: list[Path]) -> dict:
     first = relative(calibrated[0])
     runs = [dict(r, source=f"{first} ({r['source']})") for r in raw["runs"]]
     for path in calibrated[1:]:
-        for r in json.loads(path.read_text())["runs"]:
-            if r["method"] != "plain":  # another call's fit: held out here
-                runs.append(dict(r, source=f"{relative(path)} ({r['source']})", calibration=False))
+        for r in json.loads(path.read_text())["runs"]:  # another call's fit is held out here
+            runs.append(dict(r, source=f"{relative(path)} ({r['source']})", calibration=False))
     raw["runs"] = runs
     return raw
 

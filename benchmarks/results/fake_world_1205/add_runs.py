@@ -16,7 +16,8 @@ METHODS = ("floor", "gtp_blocks", "gtp", "fsdp2")  # those the cost model predic
 
 
 def phases_runs(path: Path) -> list[dict]:
-    """The runs of one step_phases.py JSON: this tree's methods, not a baseline's (`@base`)."""
+    """The runs of one step_phases.py JSON: this tree's methods, not a baseline's (`@base`) or
+    those with backward on the calling thread (`/1t`)."""
     result = json.loads(path.read_text())
     command, world = result["command"], result["world"]
     return [
@@ -29,7 +30,7 @@ def phases_runs(path: Path) -> list[dict]:
             **({"comm": "faked"} if world > 1 else {}),
             "measured_ms": round(ms["step"], 2),
             "host_probe_ms": round(result["host_probe_ms"], 3),
-            "source": f"results/fake_world_1205/{path.name}",
+            "source": f"results/{path.parent.name}/{path.name}",
             "calibration": False,
         }
         for method, ms in result["ms"].items()
@@ -47,11 +48,21 @@ def calibrate_runs(path: Path) -> list[dict]:
     ]  # fmt: skip
 
 
-raw = json.loads(CALIBRATION.read_text())
-stored = {(r["source"], r["method"]) for r in raw["runs"]}
-new = [r for p in sorted(HERE.glob("phases_*.json")) for r in phases_runs(p)]
-new += calibrate_runs(HERE / "h200_calibrated.json")
-added = [r for r in new if (r["source"], r["method"]) not in stored]
-raw["runs"] += added
-CALIBRATION.write_text(json.dumps(raw, indent=1) + "\n")
-print(f"added {len(added)} runs to {CALIBRATION}")
+def add(calibration: Path, new: list[dict]) -> None:
+    """Append the runs of `new` that `calibration` does not hold yet (by source, method,
+    model, batch and mesh)."""
+    raw = json.loads(calibration.read_text())
+
+    def key(r: dict) -> tuple:
+        return (r["source"], r["method"], str(r["model"]), r["batch"], r.get("mesh", ""))
+
+    stored = {key(r) for r in raw["runs"]}
+    added = [r for r in new if key(r) not in stored]
+    raw["runs"] += added
+    calibration.write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"added {len(added)} runs to {calibration}")
+
+
+if __name__ == "__main__":
+    runs = [r for p in sorted(HERE.glob("phases_*.json")) for r in phases_runs(p)]
+    add(CALIBRATION, runs + calibrate_runs(HERE / "h200_calibrated.json"))
