@@ -64,16 +64,28 @@ def test_resume_is_exact(tmp_path: Path) -> None:
 
 def test_per_block_training_matches_per_use_eager(tmp_path: Path) -> None:
     """The default trainer.gather_per_block=true (every block on its gathered weights) gives
-    per-use eager's losses. trainer.compile=true is checked on the MoE below, where each
-    compiled block also takes over the policy's MoE layer."""
+    per-use eager's losses, and so does per-use eager with trainer.backward_on_calling_thread
+    (autograd's device thread off; on these CPU ranks backward runs on the calling thread
+    either way, so this checks that the setting reaches the ranks and changes nothing else).
+    trainer.compile=true is checked on the MoE below, where each compiled block also takes over
+    the policy's MoE layer."""
     common = ["trainer.steps=4", "trainer.warmup=2"]
-    runs = {"eager": ["trainer.gather_per_block=false"], "per_block": []}
+    eager = ["trainer.gather_per_block=false"]
+    runs = {
+        "eager": eager,
+        "per_block": [],
+        "calling_thread": [*eager, "trainer.backward_on_calling_thread=true"],
+    }
     for name, overrides in runs.items():
         proc = _train(*common, *overrides, f"out_dir={tmp_path / name}")
         assert proc.returncode == 0, proc.stderr[-3000:]
-    want = _metrics(tmp_path / "eager")["history"]["loss"]
-    got = _metrics(tmp_path / "per_block")["history"]["loss"]
-    assert len(got) == 4 and got == pytest.approx(want, rel=1e-5)
+    metrics = {name: _metrics(tmp_path / name) for name in runs}
+    want = metrics["eager"]["history"]["loss"]
+    assert len(want) == 4
+    assert metrics["per_block"]["history"]["loss"] == pytest.approx(want, rel=1e-5)
+    assert metrics["calling_thread"]["history"]["loss"] == want
+    assert metrics["eager"]["backward_thread"] == "device"
+    assert metrics["calling_thread"]["backward_thread"] == "calling"
 
 
 def test_tensor_parallel_training_matches_gtp_alone(tmp_path: Path) -> None:
@@ -178,6 +190,10 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         ("data.val_fraction=1.5", "data.val_fraction=1.5: must be between 0 and 1"),
         ("trainer.compile=yes", "trainer.compile='yes': must be true or false"),
         ("trainer.gather_per_block=1", "trainer.gather_per_block=1: must be true or false"),
+        (
+            "trainer.backward_on_calling_thread=on",
+            "trainer.backward_on_calling_thread='on': must be true or false",
+        ),
         ("mesh=[1,1,3]", "tp=3, but the policy has no tp rules"),
         ("mesh=[1,1,3] policy=tp", "tp=3 does not divide model.heads=4"),
         ("mesh=[1,2,0]", "every size must be a whole number >= 1"),

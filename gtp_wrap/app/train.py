@@ -122,7 +122,7 @@ def _validate(cfg: dict, run_dir: str) -> None:
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be a whole number >= 1")
     if t.get("on_nonfinite") not in ("raise", "skip"):
         raise LaunchError(f"trainer.on_nonfinite={t.get('on_nonfinite')!r}: use raise or skip")
-    for key in ("compile", "gather_per_block"):
+    for key in ("compile", "gather_per_block", "backward_on_calling_thread"):
         if not isinstance(t[key], bool):
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be true or false")
     if not isinstance(t["log_every"], int) or t["log_every"] < 0:
@@ -288,6 +288,8 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh)
     if cfg["init_from"] is not None:
         gtp_wrap.load_pretrained(model, cfg["init_from"])
+    # Process-wide, as torch keeps it: this rank's backwards, the training loop's and eval's.
+    torch.autograd.set_multithreading_enabled(not t["backward_on_calling_thread"])
     if t["compile"]:
         gtp_wrap.compile(model)  # each block compiled, GTP's gathers between them
     elif t["gather_per_block"] and not policy.fp8_matmul:  # FP8 GEMMs need per-use gathers
@@ -403,6 +405,10 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
                 "memory": [{"what": n, "gtp_bytes": a, "unsharded_bytes": b} for n, a, b in rows],
                 "stats": stats,
                 "tokens_per_expert": expert_tokens.tolist(),
+                # As torch had it at the end: where this rank's backwards ran.
+                "backward_thread": "device"
+                if torch.autograd.is_multithreading_enabled()
+                else "calling",
             },
         )
         log.info("run directory: %s (train.log, loss.png, metrics.json, checkpoints/)", out)
