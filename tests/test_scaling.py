@@ -51,6 +51,22 @@ def test_held_out_graphed_and_batch8_h200_steps_within_target() -> None:
         assert abs(c.error) <= TARGET, f"{c.label()}: {c.error:+.1%}"
 
 
+def test_held_out_h100_steps_at_batch_4_and_8_within_target() -> None:
+    """On the H100 (h100.json: one GPU's calibrate.py, its per-layer cost fitted to graphed
+    steps), every held-out step at batch 4 and 8 is within 10 %, 17 of them, 5 predicted
+    before they ran (results/h100_1206/predicted.json). Batch-1 eager steps move with the host
+    and are reported; so are the graphed batch-1 ones, which the calibration's HBM rate (its
+    AdamW step timed at a size the host's launch set) overshoots by up to 14.5 % (RESULTS.md)."""
+    steady = [
+        c
+        for c in check(load_cluster("h100"))
+        if not c.calibration and c.run["batch"] >= 4 and c.run.get("comm") != "faked"
+    ]
+    assert len(steady) == 17
+    for c in steady:
+        assert abs(c.error) <= TARGET, f"{c.label()}: {c.error:+.1%}"
+
+
 def test_a_run_in_a_faked_world_is_predicted_without_its_collectives() -> None:
     """A run with `"comm": "faked"` (benchmarks/fake_world.py) is predicted on the cluster's
     rates with collectives that take no time: a communication-bound graphed step on two ranks
