@@ -7,7 +7,7 @@
 # On an H200 the calibration is the committed h200.json: no calibrate.py, the rest the same.
 # Call b (about 6 minutes): host_overhead.py per use at worlds 1 and faked 2, with autograd's
 # device thread and without it (--one-thread), alternating, twice each.
-# Call c (about 2 minutes): calibrate.py again, its HBM rate now the slope between two sizes
+# Call c (about 2 minutes; on an H200, that GPU's): calibrate.py again, its HBM rate now the slope between two sizes
 # (at 64M elements alone the host's launch of the step outlasted the kernel), outputs in c.tgz.
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
@@ -40,11 +40,12 @@ case ${1:-a} in
     phases phases_w1_1.36B_b4 100 2 1.36B 4 floor gtp_blocks
     X="--fake-world 2" phases phases_f2_125M_b1 120 3 125M 1 floor gtp_blocks gtp fsdp2 ;;
   c)
-    ( time timeout 300 python3 benchmarks/calibrate.py --name h100 --model gpt_1p36b \
-        --batches 1 8 --budget-s 240 --out $OUT/h100_calibrated_c.json ) > $OUT/calibrate_c.log 2>&1
+    K=h100; [[ $GPU == *H200* ]] && K=h200
+    ( time timeout 300 python3 benchmarks/calibrate.py --name $K --model gpt_1p36b \
+        --batches 1 8 --budget-s 240 --out $OUT/${K}_calibrated_c.json ) > $OUT/calibrate_c.log 2>&1
     echo calibrate rc=$?; tail -4 $OUT/calibrate_c.log
-    grep -o '"hbm_gbs": {[^}]*}' $OUT/h100_calibrated_c.json
-    (cd $OUT && tar czf c.tgz h100_calibrated_c.json calibrate_c.log) ;;
+    grep -o '"hbm_gbs": {[^}]*}' $OUT/${K}_calibrated_c.json
+    (cd $OUT && tar czf c.tgz ${K}_calibrated_c.json calibrate_c.log) ;;
   b)
     for i in 1 2; do
       for mode in threads one_thread; do
