@@ -13,11 +13,12 @@ What it measures, each with a source line in the JSON:
   steps captured in a CUDA graph, so that the host's launches are not in them: the eager
   steps are kept as held-out runs);
 - host: on a GPU, the host's time per layer of the plain model (its eager step at 32 tokens,
-  which the launches set); GTP's time per weight use at world 1 (16 small Linears wrapped and
-  not, as benchmarks/host_overhead.py), and at world 2: on gloo the rank's own CPU time,
-  which leaves out its waits for the peer (the model's collectives take those); on 2+ GPUs on
-  NCCL's ranks, on one GPU in a faked world of two (fake_world.py: collectives issued and
-  waited for, moving nothing, without NCCL's own launch cost);
+  which the launches set, against the same model with half its layers); GTP's time per
+  weight use at world 1 (16 small Linears wrapped and not, as benchmarks/host_overhead.py),
+  and at world 2: on gloo the rank's own CPU time, which leaves out its waits for the peer
+  (the model's collectives take those); on 2+ GPUs on NCCL's ranks, on one GPU in a faked
+  world of two (fake_world.py: collectives issued and waited for, moving nothing, without
+  NCCL's own launch cost);
 - collectives (gloo on CPU for worlds 2 and 4, NCCL for 2 up to all GPUs): flat all-gathers
   and reduce-scatters of several sizes, fitted to α + (n-2)·hop + (n-1)/n·bytes/GB/s; and the
   contention: a GEMM loop alone and beside an all-gather loop, each slowed by the other;
@@ -280,19 +281,34 @@ def measure_attention(model: ModelConfig, device: torch.device, dtype: torch.dty
 
 def measure_hbm(device: torch.device) -> float:
     """GB/s of AdamW's step over a flat fp32 buffer (28 bytes per element), as the model
-    counts the optimizer; fused on a GPU (as bench_step's --fused-adamw), foreach on CPU. The
-    slope between two sizes: one step also pays the host's launch of it, which on a GPU host
-    outlasted the kernel at 64M elements (1884 GB/s read on an H100 whose graphed floor
-    stepped 1.36B elements at 2.6 TB/s; the model charges that launch to `host.step_us`)."""
-    sizes = (1 << 26, 1 << 28) if device.type == "cuda" else (1 << 20, 1 << 22)
-    seconds = []
-    for n in sizes:
-        p = torch.zeros(n, device=device, requires_grad=True)
-        p.grad = torch.zeros_like(p)
-        opt = torch.optim.AdamW([p], fused=device.type == "cuda" or None)
-        seconds.append(timed(opt.step, device, 10))
-        del p, opt
-    return (sizes[1] - sizes[0]) * 28 / (seconds[1] - seconds[0]) / 1e9
+    counts the optimizer; fused on a GPU (as bench_step's --fused-adamw), foreach on CPU.
+
+    On a GPU, the slope between 64M and 256M elements: one step also pays the host's launch
+    of it and the sync, which the model charges to `host.step_us` (at 64M elements alone an
+    H100 read 1884 GB/s while its graphed floor stepped 1.36B elements at 2.6 TB/s: about
+    0.28 ms of each 1.0 ms step beyond the kernel's time at that rate). On CPU, one size, 4M
+    elements: smaller ones run partly from the caches, faster per byte (20 GB/s at 1M
+    elements against 16 at 4M on the development machine), so a slope would read them."""
+    if device.type != "cuda":
+        n = 1 << 22
+        return n * 28 / _adamw_step_s(n, device) / 1e9
+    small, large = 1 << 26, 1 << 28
+    t_small, t_large = _adamw_step_s(small, device), _adamw_step_s(large, device)
+    if t_large <= t_small:
+        raise SystemExit(
+            f"calibrate: AdamW over {large} elements ({t_large * 1e3:.3f} ms) was not slower "
+            f"than over {small} ({t_small * 1e3:.3f} ms): the GPU's load moved under the "
+            "measurement; run again"
+        )
+    return (large - small) * 28 / (t_large - t_small) / 1e9
+
+
+def _adamw_step_s(n: int, device: torch.device) -> float:
+    """Seconds of one AdamW step over `n` fp32 elements (fastest of 10)."""
+    p = torch.zeros(n, device=device, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW([p], fused=device.type == "cuda" or None)
+    return timed(opt.step, device, 10)
 
 
 def plain_step(
@@ -339,12 +355,24 @@ def host_layer_us(
     model: ModelConfig, device: torch.device, dtype: torch.dtype, probe: Callable[[], object]
 ) -> tuple[float, float]:
     """(µs of host time per layer of an eager forward and backward, the device's share of
-    that step) on a GPU: the plain model at 32 tokens, whose kernels take a small part of the
-    time the host takes to launch them, so its eager step is the host's time; its graphed
-    replay says how small that part is."""
-    eager, _ = plain_step(model, 1, device, dtype, probe, seq=32)
-    graphed, _ = plain_step(model, 1, device, dtype, probe, graphed=True, seq=32)
-    return eager / model.layers * 1e6, graphed / eager
+    those steps) on a GPU: the plain model at 32 tokens, whose kernels take a small part of
+    the time the host takes to launch them, so its eager step is the host's time (its graphed
+    replay says how small that part is). Per layer: the slope between the model and the same
+    model with half its layers, which leaves out what a step does once (the embedding, the
+    head, the loss, clearing the gradients), as the model charges that to `host.step_us`."""
+    half = dataclasses.replace(model, layers=max(1, model.layers // 2))
+    eager = [plain_step(m, 1, device, dtype, probe, seq=32)[0] for m in (half, model)]
+    graphed = [
+        plain_step(m, 1, device, dtype, probe, graphed=True, seq=32)[0] for m in (half, model)
+    ]
+    per_layer = (eager[1] - eager[0]) / (model.layers - half.layers)
+    if per_layer <= 0:
+        raise SystemExit(
+            f"calibrate: the eager step at {model.layers} layers ({eager[1] * 1e3:.2f} ms) was "
+            f"not longer than at {half.layers} ({eager[0] * 1e3:.2f} ms): the host's speed "
+            "moved under the measurement; run again"
+        )
+    return per_layer * 1e6, graphed[1] / eager[1]
 
 
 def fit_layers(
@@ -682,8 +710,8 @@ def main(argv: list[str] | None = None) -> None:
         layer_us, device_share = host_layer_us(model, device, dtype, loop)
         h["layer_us"] = src(
             layer_us,
-            f"{here}: the plain model's eager step at 32 tokens, batch 1, per layer (its "
-            f"graphed replay took {device_share:.0%} of it)",
+            f"{here}: the plain model's eager step at 32 tokens, batch 1, per layer (the "
+            f"slope from half its layers; its graphed replay took {device_share:.0%} of it)",
         )
     else:  # on a CPU the fixed cost per layer is the host's dispatch
         h["layer_us"] = fixed

@@ -4,23 +4,23 @@
     torchrun --nproc_per_node 1 benchmarks/step_phases.py --model 125M --batch 1 --fused-adamw
 
 bench_step.py's methods (floor, gtp, gtp_blocks, ...) on bench_step.py's model and step, at a
-world of one, interleaved over `--rounds` rounds. Each step is cut into its phases (forward and
-loss, backward, optimizer step, zero_grad) and each phase's host time is read with
-`time.perf_counter` around it, with no device synchronization inside the step: at batch 1 the
-step is host-bound, so the host's time per phase is what the step is made of (the device is
-synchronized once per step, after it). `step_cpu` is the process's CPU time over the four
-phases (every thread's: a GPU's backward runs on autograd's own thread), without the wait for
-the device after them: what the host worked for the step. On the H200 host it read within 2 %
-of the step's wall time for every method (`results/cpu_time_1204/`): its threads are not kept
-waiting for a core; what moves steps between calls is how fast the host's cores run the work
-(their clock, or caches and memory shared with other tenants: these figures cannot tell which).
-The JSON carries `host_probe_ms` (benchmarks/host_probe.py, timed after the rounds), which
-`gtp-plan validate` scales a stored run's host time by. Besides, the engine functions of `TIMED`
-are timed where they run (on the autograd thread too, where a GPU's backward runs them), so
-their share of each phase is read without a profiler, whose own overhead grows with the Python
-it traces. Each figure is the smallest, over the rounds, of a round's median per step; the JSON's
-`rounds_ms` (and the log's `rounds_ms` lines) keep every round's median step, the spread the
-best round hides.
+world of one, interleaved over `--rounds` rounds (every other one in reverse order). Each step
+is cut into its phases (forward and loss, backward, optimizer step, zero_grad) and each phase's
+host time is read with `time.perf_counter` around it, with no device synchronization inside the
+step: at batch 1 the step is host-bound, so the host's time per phase is what the step is made
+of (the device is synchronized once per step, after it). `step_cpu` is the process's CPU time
+over the four phases (every thread's: a GPU's backward runs on autograd's own thread), without
+the wait for the device after them: what the host worked for the step. On the H200 host it read
+within 2 % of the step's wall time for every method (`results/cpu_time_1204/`): its threads are
+not kept waiting for a core; what moves steps between calls is how fast the host's cores run the
+work (their clock, or caches and memory shared with other tenants: these figures cannot tell
+which). The JSON carries `host_probe_ms` (benchmarks/host_probe.py, timed after the rounds),
+which `gtp-plan validate` scales a stored run's host time by. Besides, the engine functions of
+`TIMED` are timed where they run (on the autograd thread too, where a GPU's backward runs them),
+so their share of each phase is read without a profiler, whose own overhead grows with the
+Python it traces. Each figure is the smallest, over the rounds, of a round's median per step;
+the JSON's `rounds_ms` (and the log's `rounds_ms` lines) keep every round's median step, the
+spread the best round hides.
 
 With `--fake-world N` the step runs at a world of N whose collectives are faked (torch's "fake"
 process-group backend: every collective returns at once and moves nothing), on one device: the
@@ -38,6 +38,12 @@ each gtp method also runs on that tree's gtp_wrap, imported beside this one as
 one process on one host, where two runs one after the other moved the floor by 15-20 % on the
 H200 host. Both packages' global optimizer-step hooks then run on every step, so figures with
 `--baseline` compare with each other, not with runs without it.
+
+With `--one-thread` each method also runs as `<method>/1t`, its steps under
+`torch.autograd.set_multithreading_enabled(False)`: a GPU's backward then runs on the calling
+thread instead of autograd's device thread (on CPU it does anyway). Both share the model and
+optimizer and take turns as above, so what tells them apart is the hand-off to that thread and
+the host's noise.
 """
 
 from __future__ import annotations
@@ -164,8 +170,11 @@ def measure(args: argparse.Namespace, device: torch.device, world: int = 1) -> d
     # Each round's median step per method, to see the host's spread beside the best round.
     rounds: dict[str, list[float]] = {m: [] for m in built}
     calls: dict[str, dict[str, int]] = {}
-    for _ in range(args.rounds):
-        for method, (model, optim, autocast) in built.items():
+    for r in range(args.rounds):
+        # Every other round in reverse, so that no method always runs after the same others
+        # (a drift within a round would favour the ones it reaches last).
+        order = list(built.items())
+        for method, (model, optim, autocast) in order[::-1] if r % 2 else order:
             per: dict[str, list[float]] = collections.defaultdict(list)
             timers.calls.clear()
             for step in range(args.warmup + args.steps):

@@ -288,8 +288,6 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh)
     if cfg["init_from"] is not None:
         gtp_wrap.load_pretrained(model, cfg["init_from"])
-    # Process-wide, as torch keeps it: this rank's backwards, the training loop's and eval's.
-    torch.autograd.set_multithreading_enabled(not t["backward_on_calling_thread"])
     if t["compile"]:
         gtp_wrap.compile(model)  # each block compiled, GTP's gathers between them
     elif t["gather_per_block"] and not policy.fp8_matmul:  # FP8 GEMMs need per-use gathers
@@ -331,7 +329,10 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     expert_tokens = torch.zeros(model.tokens_per_expert().shape, dtype=torch.long, device=device)
     stop = t["steps"] if t["stop_at"] is None else min(t["stop_at"], t["steps"])
     tokens_per_step = world // _tp_size(cfg["mesh"]) * t["batch"] * t["seq"] * t["accumulation"]
-    with _progress_bar(rank == 0 and sys.stderr.isatty(), stop, start) as bar:
+    # Torch keeps the setting per thread: this one's, which calls every backward of the loop.
+    threads = torch.autograd.set_multithreading_enabled(not t["backward_on_calling_thread"])
+    with _progress_bar(rank == 0 and sys.stderr.isatty(), stop, start) as bar, threads:
+        backward_thread = "device" if torch.autograd.is_multithreading_enabled() else "calling"
         for step in range(start, stop):
             began = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
@@ -405,10 +406,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
                 "memory": [{"what": n, "gtp_bytes": a, "unsharded_bytes": b} for n, a, b in rows],
                 "stats": stats,
                 "tokens_per_expert": expert_tokens.tolist(),
-                # As torch had it at the end: where this rank's backwards ran.
-                "backward_thread": "device"
-                if torch.autograd.is_multithreading_enabled()
-                else "calling",
+                "backward_thread": backward_thread,  # as torch had it in the loop
             },
         )
         log.info("run directory: %s (train.log, loss.png, metrics.json, checkpoints/)", out)

@@ -4,7 +4,8 @@
 
 The first JSON gives every rate calibrate.py measures on one GPU (GEMMs, attention, HBM,
 elementwise bytes, per-layer overhead, the host's costs and its probe) and its runs: the plain
-model's graphed steps are the calibration set, every other run is held out. Later JSONs (other
+model's graphed steps and the world-1 gtp_blocks step that `host.block_us` is fitted to are the
+calibration set, every other run is held out. Later JSONs (other
 calls on H100s) add all their runs, held out. What one H100 cannot measure is taken
 from benchmarks/calibration/h200.json and says so in its source: the NVLink curves (an HGX H100
 has the H200's NVLink 4 and NVSwitch, 900 GB/s per GPU), the GEMM-beside-all-gather contention,

@@ -6,17 +6,14 @@ call's output (gpu_a_output.txt). Runs already stored are left alone.
     python benchmarks/results/h100_1206/add_runs.py
 """
 
-import importlib.util
 import re
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-spec = importlib.util.spec_from_file_location(
-    "add_runs", HERE.parent / "fake_world_1205" / "add_runs.py"
-)
-assert spec is not None and spec.loader is not None
-shared = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(shared)
+sys.path.insert(0, str(HERE.parents[1]))
+
+from stored_runs import METHODS, add, phases_runs  # noqa: E402
 
 
 def output_runs(path: Path, name: str, model: str, batch: int) -> list[dict]:
@@ -30,11 +27,10 @@ def output_runs(path: Path, name: str, model: str, batch: int) -> list[dict]:
          "measured_ms": float(ms), "host_probe_ms": probe,
          "source": f"results/{HERE.name}/{path.name} ({name})", "calibration": False}
         for method, ms in zip(header[1:], step[1:])
-        if method in shared.METHODS
+        if method in METHODS
     ]  # fmt: skip
 
 
-if __name__ == "__main__":
-    runs = [r for p in sorted(HERE.glob("phases_*.json")) for r in shared.phases_runs(p)]
-    runs += output_runs(HERE / "gpu_a_output.txt", "phases_w1_125M_b8", "gpt_125m", 8)
-    shared.add(HERE.parents[1] / "calibration" / "h100.json", runs)
+runs = [r for p in sorted(HERE.glob("phases_*.json")) for r in phases_runs(p)]
+runs += output_runs(HERE / "gpu_a_output.txt", "phases_w1_125M_b8", "gpt_125m", 8)
+add(HERE.parents[1] / "calibration" / "h100.json", runs)

@@ -6,9 +6,14 @@
 # calling thread (--one-thread). Everything lands in $OUT; h100.json and predicted.json too.
 # On an H200 the calibration is the committed h200.json: no calibrate.py, the rest the same.
 # Call b (about 6 minutes): host_overhead.py per use at worlds 1 and faked 2, with autograd's
-# device thread and without it (--one-thread), alternating, twice each.
-# Call c (about 2 minutes; on an H200, that GPU's): calibrate.py again, its HBM rate now the slope between two sizes
-# (at 64M elements alone the host's launch of the step outlasted the kernel), outputs in c.tgz.
+# device thread and without it (--one-thread), twice each, the order reversed the second time
+# (as run on 12-06, both times device thread first).
+# Call c (about 2 minutes): step_phases.py --one-thread at 125M batch 1, world 1 (10 rounds) and
+# a faked world of two (6 rounds), each method beside itself with backward on the calling
+# thread (as run on 12-06, every round in the same order; step_phases now reverses every other).
+# Call d (about 2 minutes; on an H200, that GPU's; not run yet): calibrate.py again, its HBM
+# rate the slope between two sizes and its host time per layer the slope between two depths
+# (each alone held a step's fixed host costs), outputs in d.tgz.
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo $GPU
@@ -40,15 +45,20 @@ case ${1:-a} in
     phases phases_w1_1.36B_b4 100 2 1.36B 4 floor gtp_blocks
     X="--fake-world 2" phases phases_f2_125M_b1 120 3 125M 1 floor gtp_blocks gtp fsdp2 ;;
   c)
+    X=--one-thread phases phases_1t_w1_125M_b1 200 10 125M 1 floor amp gtp_blocks gtp
+    X="--one-thread --fake-world 2" phases phases_1t_f2_125M_b1 200 6 125M 1 floor gtp_blocks fsdp2 ;;
+  d)
     K=h100; [[ $GPU == *H200* ]] && K=h200
     ( time timeout 300 python3 benchmarks/calibrate.py --name $K --model gpt_1p36b \
-        --batches 1 8 --budget-s 240 --out $OUT/${K}_calibrated_c.json ) > $OUT/calibrate_c.log 2>&1
-    echo calibrate rc=$?; tail -4 $OUT/calibrate_c.log
-    grep -o '"hbm_gbs": {[^}]*}' $OUT/${K}_calibrated_c.json
-    (cd $OUT && tar czf c.tgz ${K}_calibrated_c.json calibrate_c.log) ;;
+        --batches 1 8 --budget-s 240 --out $OUT/${K}_calibrated_d.json ) > $OUT/calibrate_d.log 2>&1
+    echo calibrate rc=$?; tail -4 $OUT/calibrate_d.log
+    python3 -c 'import json, sys; c = json.load(open(sys.argv[1]))["compute"]; print(c["hbm_gbs"])' \
+      $OUT/${K}_calibrated_d.json
+    (cd $OUT && tar czf d.tgz ${K}_calibrated_d.json calibrate_d.log) ;;
   b)
     for i in 1 2; do
-      for mode in threads one_thread; do
+      modes="threads one_thread"; [ $i = 2 ] && modes="one_thread threads"
+      for mode in $modes; do
         flag=; [ $mode = one_thread ] && flag=--one-thread
         timeout 170 python3 benchmarks/host_overhead.py --device cuda --steps 100 --rounds 7 \
           $flag --out $OUT/host_overhead_${mode}_$i.json > $OUT/host_overhead_${mode}_$i.log 2>&1

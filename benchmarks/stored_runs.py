@@ -1,0 +1,56 @@
+"""Measured steps as the runs a calibration JSON stores for `gtp-plan validate` (issue 26): read
+from benchmarks/step_phases.py's JSON, and appended to a cluster's JSON without repeats.
+
+    from stored_runs import add, phases_runs
+    add(Path("benchmarks/calibration/h100.json"), phases_runs(Path("phases_w1_125M_b1.json")))
+
+The results folders' add_runs.py scripts use it, one per call that joined a calibration.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MODELS = {"125M": "gpt_125m", "1.36B": "gpt_1p36b"}  # bench_step.py's names, the model's
+METHODS = ("floor", "gtp_blocks", "gtp", "fsdp2")  # those the cost model predicts
+
+
+def phases_runs(path: Path) -> list[dict]:
+    """The held-out runs of one step_phases.py JSON, each with the call's host probe: this
+    tree's methods the cost model predicts, not a baseline's (`@base`) or those with backward
+    on the calling thread (`/1t`); a faked world's marked `"comm": "faked"`. The source names
+    the JSON under benchmarks/results/."""
+    result = json.loads(path.read_text())
+    command, world = result["command"], result["world"]
+    return [
+        {
+            "model": MODELS[command["model"]],
+            "batch": int(command["batch"]),
+            "seq": int(command["seq"]),
+            "mesh": f"gtp={world}" if world > 1 else "",
+            "method": method,
+            **({"comm": "faked"} if world > 1 else {}),
+            "measured_ms": round(ms["step"], 2),
+            "host_probe_ms": round(result["host_probe_ms"], 3),
+            "source": f"results/{path.parent.name}/{path.name}",
+            "calibration": False,
+        }
+        for method, ms in result["ms"].items()
+        if method in METHODS
+    ]
+
+
+def add(calibration: Path, new: list[dict]) -> None:
+    """Append the runs of `new` that `calibration` does not hold yet (by source, method,
+    model, batch and mesh)."""
+    raw = json.loads(calibration.read_text())
+
+    def key(r: dict) -> tuple:
+        return (r["source"], r["method"], str(r["model"]), r["batch"], r.get("mesh", ""))
+
+    stored = {key(r) for r in raw["runs"]}
+    added = [r for r in new if key(r) not in stored]
+    raw["runs"] += added
+    calibration.write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"added {len(added)} runs to {calibration}")
