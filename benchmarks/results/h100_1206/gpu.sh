@@ -13,7 +13,10 @@
 # thread (as run on 12-06, every round in the same order; step_phases now reverses every other).
 # Call d (about 2 minutes; on an H200, that GPU's; not run yet): calibrate.py again, its HBM
 # rate the slope between two sizes and its host time per layer the slope between two depths
-# (each alone held a step's fixed host costs), outputs in d.tgz.
+# (each alone held a step's fixed host costs), outputs in d.tgz. Then, here, on an H100's:
+#   python benchmarks/calibration/scripts/h100_from_calibrate.py h100_calibrated_d.json \
+#     benchmarks/results/h100_1206/h100_calibrated.json benchmarks/results/h100_1205/h100_calibrated.json
+#   python benchmarks/results/h100_1206/add_runs.py && gtp-plan validate --cluster h100
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo $GPU
