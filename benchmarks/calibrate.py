@@ -394,10 +394,13 @@ def fit_layers(
     graphed = device.type == "cuda"
     for batch in batches:
         seconds, now = plain_step(model, batch, device, dtype, probe, graphed=graphed)
-        runs.append({"batch": batch, "seconds": seconds, "probe_s": now, "graphed": graphed})
+        method = "plain_graph" if graphed else "plain"
+        runs.append({"batch": batch, "seconds": seconds, "probe_s": now, "method": method,
+                     "calibration": True})  # fmt: skip
         if graphed:  # held out: the fit's device time and the host's per layer, together
             eager, eager_probe = plain_step(model, batch, device, dtype, probe)
-            runs.append({"batch": batch, "seconds": eager, "probe_s": eager_probe})
+            runs.append({"batch": batch, "seconds": eager, "probe_s": eager_probe,
+                         "method": "plain", "calibration": False})  # fmt: skip
         seconds *= raw["probe_s"]["value"] / now
         plan = Plan(model, cluster, Mesh(), batch=batch)
         gemm = sum(
@@ -867,26 +870,23 @@ def runs_of(
     model: ModelConfig, plain: list[dict], steps: list[dict], cuda: bool, here: str
 ) -> list[dict]:
     """The measured steps as runs for `gtp-plan validate`: the plain model's (calibration:
-    the elementwise and per-layer fit; on a GPU its graphed steps, the eager ones held out) and
-    GTP's (held out; `fit_block_us` marks the one it
-    fits to)."""
+    the elementwise and per-layer fit, as `fit_layers` marks them: on a GPU its graphed steps,
+    the eager ones held out) and GTP's (held out; `fit_block_us` marks the one it fits to)."""
     spec = dataclasses.asdict(model)
     gather = {} if cuda else {"gather": "fp32"}
     out = []
     for r in plain:
-        # On a GPU the graphed steps are fitted to, the eager ones held out.
-        fitted = r.get("graphed", False) or not cuda
         out.append(
             {
                 "model": spec,
                 "batch": r["batch"],
                 "seq": model.seq,
                 "mesh": "",
-                "method": "plain_graph" if r.get("graphed") else "plain",
+                "method": r["method"],
                 "probe_s": r["probe_s"],
                 "measured_ms": round(r["seconds"] * 1e3, 3),
                 "source": here,
-                "calibration": fitted,
+                "calibration": r["calibration"],
             }
         )
     for r in steps:

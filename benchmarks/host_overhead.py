@@ -174,7 +174,8 @@ def _step_cpu_us(model: nn.Module, x: torch.Tensor, steps: int, rounds: int) -> 
 def measure(args: argparse.Namespace, device: str) -> dict[str, dict[str, float]]:
     """Per policy: the plain and the wrapped step's CPU time and the extra per weight use."""
     weights, steps, rounds = args.weights, args.steps, args.rounds
-    torch.autograd.set_multithreading_enabled(not args.one_thread)  # for this process's steps
+    # Torch keeps it per thread: this one, which runs every step measured here.
+    torch.autograd.set_multithreading_enabled(not args.one_thread)
 
     def build() -> nn.Module:
         return _model(weights, args.width, args.bias, args.block, device)
