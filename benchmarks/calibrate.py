@@ -28,6 +28,10 @@ What it measures, each with a source line in the JSON:
   The world-1 gtp_blocks step at the smallest batch fits the host time per block
   (`host.block_us`) and is marked a calibration run.
 
+`--refit CALIBRATION.json` measures nothing: it fits the elementwise bytes, the fixed cost per
+layer and `host.block_us` again to the runs the JSON stores, after a change to the cost
+model's counts.
+
 Bound: `--budget-s` (default 280) is checked between parts; whatever would overrun is left
 out and said so. On a GPU machine: `PYTHONPATH=. timeout 300 python benchmarks/calibrate.py
 --model gpt_1p36b --batches 1 8 --out /tmp/h200.json` (NCCL parts need 2+ GPUs).
@@ -70,7 +74,7 @@ from gtp_wrap.scaling.predict import (  # noqa: E402
     pass_order,
     weight_gemms_s,
 )
-from gtp_wrap.scaling.validate import predicted_ms  # noqa: E402
+from gtp_wrap.scaling.validate import predicted_ms, run_model  # noqa: E402
 
 # The CPU validation model: configs/model/gpt_small's shapes.
 CPU_MODEL = ModelConfig(
@@ -384,13 +388,9 @@ def fit_layers(
     probe: Callable[[], object],
 ) -> tuple[float, float, list[dict]]:
     """(elementwise bytes per token per element of d + ffn, fixed µs per layer, the runs) from
-    the plain model's steps: what GEMMs, attention and the loss leave. Each step is scaled by
-    the probe timed just before it against the calibration's (the machine's load moves). On a
-    GPU the fit takes the steps replayed from a CUDA graph (the device's time) and the runs
-    hold the eager steps too."""
-    cluster = cluster_from_dict(raw, "rates")
-    hbm = raw["compute"]["hbm_gbs"]["value"] * 1e9
-    rows, ys, runs = [], [], []
+    the plain model's steps at `batches` (`fit_elementwise`). On a GPU the fit takes the steps
+    replayed from a CUDA graph (the device's time) and the runs hold the eager steps too."""
+    runs = []
     graphed = device.type == "cuda"
     for batch in batches:
         seconds, now = plain_step(model, batch, device, dtype, probe, graphed=graphed)
@@ -401,7 +401,23 @@ def fit_layers(
             eager, eager_probe = plain_step(model, batch, device, dtype, probe)
             runs.append({"batch": batch, "seconds": eager, "probe_s": eager_probe,
                          "method": "plain", "calibration": False})  # fmt: skip
-        seconds *= raw["probe_s"]["value"] / now
+    fitted = [(r["batch"], r["seconds"], r["probe_s"]) for r in runs if r["calibration"]]
+    per_byte, per_layer = fit_elementwise(model, raw, fitted)
+    return per_byte, per_layer, runs
+
+
+def fit_elementwise(
+    model: ModelConfig, raw: dict, steps: list[tuple[int, float, float]]
+) -> tuple[float, float]:
+    """(elementwise bytes per token per element of d + ffn, fixed µs per layer) fitted to the
+    plain model's steps, each (batch, seconds, probe seconds): what GEMMs, attention and the
+    loss leave of each. Each step is scaled by the probe timed just before it against the
+    calibration's (the machine's load moves)."""
+    cluster = cluster_from_dict(raw, "rates")
+    hbm = raw["compute"]["hbm_gbs"]["value"] * 1e9
+    rows, ys = [], []
+    for batch, seconds, probe_s in steps:
+        seconds *= raw["probe_s"]["value"] / probe_s
         plan = Plan(model, cluster, Mesh(), batch=batch)
         gemm = sum(
             weight_gemms_s(plan, w, b)
@@ -416,7 +432,27 @@ def fit_layers(
         ys.append(seconds - gemm - attn - loss)
         rows.append([m * model.layers * (model.d + model.ffn) / hbm, model.layers])
     per_byte, per_layer = nonneg_least_squares(rows, ys)
-    return per_byte, per_layer * 1e6, runs
+    return per_byte, per_layer * 1e6
+
+
+def refit(raw: dict, note: str) -> None:
+    """Fit again, to a calibration's own stored runs, what calibrate.py fitted to them when it
+    ran: the elementwise bytes and the fixed cost per layer (to its plain calibration steps),
+    then `host.block_us` (to its gtp_blocks step). What a change to the cost model's counts
+    needs (as the loss's bytes per logit), without the machine; `note` joins each source."""
+    plain = [r for r in raw["runs"] if r["calibration"] and r["method"] in ("plain", "plain_graph")]
+    if not plain:
+        raise SystemExit("calibrate --refit: no plain calibration runs in this JSON to fit to")
+    graphed = plain[0]["method"] == "plain_graph"  # a GPU's (the host's launches apart)
+    steps = [(r["batch"], r["measured_ms"] * 1e-3, r["probe_s"]) for r in plain]
+    per_byte, per_layer = fit_elementwise(run_model(plain[0]), raw, steps)
+    fixed = raw["compute"]["layer_overhead_us"] if graphed else raw["host"]["layer_us"]
+    for entry, value in ((raw["compute"]["elementwise_bytes"], per_byte), (fixed, per_layer)):
+        entry.update(src(value, f"{entry['source']}; {note}"))
+    block = raw["host"]["block_us"]
+    if isinstance(block, dict) and "gtp_blocks step" in block["source"]:
+        fit_block_us(raw, block["source"].split(": ")[0])
+        raw["host"]["block_us"]["source"] += f"; {note}"
 
 
 def measure_use_us(device: torch.device, policy: dict | None = None) -> float:
@@ -647,7 +683,14 @@ def fit_curves(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None, help="required unless --refit")
+    ap.add_argument(
+        "--refit",
+        type=Path,
+        default=None,
+        help="measure nothing: fit a calibration JSON again to its own stored runs (see "
+        "`refit`), written to --out or back in place",
+    )
     ap.add_argument("--name", default=None, help="cluster name (default: cpu_gloo / the GPU's)")
     ap.add_argument(
         "--model",
@@ -667,6 +710,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=280)
     args = ap.parse_args(argv)
+    if args.refit:
+        raw = json.loads(args.refit.read_text())
+        refit(raw, f"refitted to its runs by calibrate.py --refit, {time.strftime('%Y-%m-%d')}")
+        (args.out or args.refit).write_text(json.dumps(raw, indent=1) + "\n")
+        print(f"calibrate: refitted {args.refit} into {args.out or args.refit}")
+        return
+    if args.out is None:
+        ap.error("--out is required (unless --refit)")
     budget = Budget(args.budget_s)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -183,10 +183,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--cprofile", action="store_true", help="also write a host-side cProfile")
+    ap.add_argument(
+        "--one-thread",
+        action="store_true",
+        help="backward on the calling thread, where cProfile sees it (a GPU's backward "
+        "otherwise runs on autograd's device thread, which the profile misses)",
+    )
     ap.add_argument("--method", default="gtp", choices=METHODS)
     common_args(ap, Path("prof"), "gather_dtype=fp8")
     args = ap.parse_args()
     args.gtp_policy = dict(args.gtp_policy)
+    # Torch keeps it per thread: this one runs every step below.
+    torch.autograd.set_multithreading_enabled(not args.one_thread)
 
     local = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local)
@@ -245,7 +253,8 @@ def main() -> None:
         torch.cuda.synchronize()
         host.disable()
         with open(args.out / f"cprofile_rank{rank}.txt", "w") as f:
-            pstats.Stats(host, stream=f).sort_stats("tottime").print_stats(40)
+            pstats.Stats(host, stream=f).sort_stats("tottime").print_stats(80)
+            pstats.Stats(host, stream=f).sort_stats("cumulative").print_stats(60)
     summary = {
         "config": vars(args) | {"out": str(args.out)},
         "world": dist.get_world_size(),

@@ -41,16 +41,16 @@ def phases_runs(path: Path) -> list[dict]:
     ]
 
 
+def run_key(run: dict) -> tuple:
+    """What tells stored runs apart: source, method, model, batch and mesh."""
+    return (run["source"], run["method"], str(run["model"]), run["batch"], run.get("mesh", ""))
+
+
 def add(calibration: Path, new: list[dict]) -> None:
-    """Append the runs of `new` that `calibration` does not hold yet (by source, method,
-    model, batch and mesh)."""
+    """Append the runs of `new` that `calibration` does not hold yet (by `run_key`)."""
     raw = json.loads(calibration.read_text())
-
-    def key(r: dict) -> tuple:
-        return (r["source"], r["method"], str(r["model"]), r["batch"], r.get("mesh", ""))
-
-    stored = {key(r) for r in raw["runs"]}
-    added = [r for r in new if key(r) not in stored]
+    stored = {run_key(r) for r in raw["runs"]}
+    added = [r for r in new if run_key(r) not in stored]
     raw["runs"] += added
     calibration.write_text(json.dumps(raw, indent=1) + "\n")
     print(f"added {len(added)} runs to {calibration}")

@@ -224,6 +224,26 @@ def test_calibrate_times_a_use_of_two_ranks_in_a_faked_world(
     assert faked > local > 0, (faked, local)
 
 
+def test_calibrate_refit_reproduces_what_the_run_fitted(tmp_path: Path) -> None:
+    """`calibrate.py --refit` fits the elementwise bytes, the cost per layer and `block_us`
+    again to a calibration's own stored runs: under the model that fitted cpu_gloo.json on
+    2026-12-04 it gives the numbers that run wrote, and a changed value is fitted back."""
+    stored = json.loads((ROOT / "benchmarks/calibration/cpu_gloo.json").read_text())
+    raw = json.loads(json.dumps(stored))
+    raw["compute"]["elementwise_bytes"]["value"] = 1.0  # what the refit must recover
+    raw["host"]["block_us"]["value"] = 123.0
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(raw))
+    cmd = [sys.executable, str(ROOT / "benchmarks/calibrate.py"), "--refit", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refit = json.loads(path.read_text())
+    for part, key in (("compute", "elementwise_bytes"), ("host", "layer_us"), ("host", "block_us")):
+        assert refit[part][key]["value"] == pytest.approx(stored[part][key]["value"], rel=1e-5)
+        assert "refitted to its runs by calibrate.py --refit" in refit[part][key]["source"]
+    assert refit["runs"] == stored["runs"]
+
+
 def _python_calls(rank: int, world: int) -> dict[str, list[float]]:
     ho = _benchmark_module("host_overhead")
     x = torch.randn(4, 16)

@@ -11,7 +11,9 @@ from benchmarks/calibration/h200.json and says so in its source: the NVLink curv
 has the H200's NVLink 4 and NVSwitch, 900 GB/s per GPU), the GEMM-beside-all-gather contention,
 the inter-node links (nominal there too) and the FP8/NVFP4 decode kernels (memory-bound kernels,
 timed on an H200 whose HBM is 1.4x faster: an H100 takes longer); FSDP2's host time per block is
-the H200 host's fit, scaled by the two hosts' probes (benchmarks/host_probe.py).
+the H200 host's fit, scaled by the two hosts' probes (benchmarks/host_probe.py). What
+calibrate.py fitted to the first JSON's runs is fitted again to them under the cost model's
+current counts (`calibrate.refit`), so the JSONs stay the records of their calls.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from pathlib import Path
 
 CALIBRATION = Path(__file__).resolve().parents[1]
 CHECKOUT = CALIBRATION.parents[1]
+sys.path.insert(0, str(CHECKOUT / "benchmarks"))
+
+from calibrate import refit  # noqa: E402
+
 BORROWED = "borrowed from h200.json (not measured on an H100): "
 
 
@@ -41,6 +47,7 @@ def borrowed(entry: dict | float) -> dict:
 
 def build(calibrated: list[Path]) -> dict:
     raw = json.loads(calibrated[0].read_text())
+    refit(raw, "refitted to its runs by scripts/h100_from_calibrate.py")
     h200 = json.loads((CALIBRATION / "h200.json").read_text())
     if raw["links"]["intra"]["all_gather"]["gbs"] != 1.0:
         raise SystemExit(f"{calibrated[0]}: measured links; this script is for one GPU's JSON")
