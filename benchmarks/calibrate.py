@@ -390,7 +390,7 @@ def fit_layers(
     """(elementwise bytes per token per element of d + ffn, fixed µs per layer, the runs) from
     the plain model's steps at `batches` (`fit_elementwise`). On a GPU the fit takes the steps
     replayed from a CUDA graph (the device's time) and the runs hold the eager steps too."""
-    runs = []
+    runs: list[dict] = []
     graphed = device.type == "cuda"
     for batch in batches:
         seconds, now = plain_step(model, batch, device, dtype, probe, graphed=graphed)
@@ -435,24 +435,49 @@ def fit_elementwise(
     return per_byte, per_layer * 1e6
 
 
-def refit(raw: dict, note: str) -> None:
-    """Fit again, to a calibration's own stored runs, what calibrate.py fitted to them when it
-    ran: the elementwise bytes and the fixed cost per layer (to its plain calibration steps),
-    then `host.block_us` (to its gtp_blocks step). What a change to the cost model's counts
-    needs (as the loss's bytes per logit), without the machine; `note` joins each source."""
-    plain = [r for r in raw["runs"] if r["calibration"] and r["method"] in ("plain", "plain_graph")]
+def layer_fit_place(graphed: bool) -> tuple[str, str]:
+    """Where the elementwise fit's fixed cost per layer goes: on a GPU, whose fit takes graphed
+    steps, the device's small kernels; on a CPU the host's dispatch, which is the same cores."""
+    return ("compute", "layer_overhead_us") if graphed else ("host", "layer_us")
+
+
+REFITTED = "; refitted to its runs by "
+
+
+def refit(raw: dict, by: str) -> None:
+    """Fit again, to a calibration's own stored runs, what calibrate.py fitted to runs when it
+    ran: the elementwise bytes and the fixed cost per layer (to its plain calibration steps,
+    their times as stored, rounded to the µs), then `host.block_us` (to its world-1 gtp_blocks
+    step, where it had one). What a change to how the cost model counts a step's parts needs
+    (as the loss's bytes per logit), without the machine; the rates calibrate.py measured
+    directly (GEMMs, attention, HBM) need the machine. `by` names the refit in each source."""
+    plain = [
+        r for r in raw["runs"] if r.get("calibration") and r["method"] in ("plain", "plain_graph")
+    ]
     if not plain:
         raise SystemExit("calibrate --refit: no plain calibration runs in this JSON to fit to")
-    graphed = plain[0]["method"] == "plain_graph"  # a GPU's (the host's launches apart)
+    if len({(json.dumps(r["model"]), r["method"]) for r in plain}) > 1:
+        raise SystemExit("calibrate --refit: the plain calibration runs mix models or methods")
+    if "probe_s" not in raw or any("probe_s" not in r for r in plain):
+        raise SystemExit(
+            "calibrate --refit: the calibration or its plain runs carry no probe_s (the GEMM "
+            "probe the fit scales each step by): only calibrate.py's own JSONs can be refitted"
+        )
     steps = [(r["batch"], r["measured_ms"] * 1e-3, r["probe_s"]) for r in plain]
     per_byte, per_layer = fit_elementwise(run_model(plain[0]), raw, steps)
-    fixed = raw["compute"]["layer_overhead_us"] if graphed else raw["host"]["layer_us"]
-    for entry, value in ((raw["compute"]["elementwise_bytes"], per_byte), (fixed, per_layer)):
-        entry.update(src(value, f"{entry['source']}; {note}"))
-    block = raw["host"]["block_us"]
-    if isinstance(block, dict) and "gtp_blocks step" in block["source"]:
-        fit_block_us(raw, block["source"].split(": ")[0])
-        raw["host"]["block_us"]["source"] += f"; {note}"
+    note = f"{REFITTED}{by}, {time.strftime('%Y-%m-%d')}"
+
+    def store(part: str, key: str, value: float, source: str) -> None:
+        raw[part][key] = src(value, source.split(REFITTED)[0] + note)
+
+    part, key = layer_fit_place(plain[0]["method"] == "plain_graph")
+    for where, value in ((("compute", "elementwise_bytes"), per_byte), ((part, key), per_layer)):
+        store(*where, value, raw[where[0]][where[1]]["source"])
+    fitted = [r for r in raw["runs"] if r["method"] == "gtp_blocks" and r.get("calibration")]
+    if fitted:
+        fit_block_us(raw, here=raw["host"]["block_us"]["source"].split(": ")[0])
+        block = raw["host"]["block_us"]
+        store("host", "block_us", block["value"], block["source"])
 
 
 def measure_use_us(device: torch.device, policy: dict | None = None) -> float:
@@ -688,8 +713,8 @@ def main(argv: list[str] | None = None) -> None:
         "--refit",
         type=Path,
         default=None,
-        help="measure nothing: fit a calibration JSON again to its own stored runs (see "
-        "`refit`), written to --out or back in place",
+        help="measure nothing (other options but --out are ignored): fit a calibration JSON "
+        "again to its own stored runs (see `refit`), written to --out or back in place",
     )
     ap.add_argument("--name", default=None, help="cluster name (default: cpu_gloo / the GPU's)")
     ap.add_argument(
@@ -712,7 +737,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.refit:
         raw = json.loads(args.refit.read_text())
-        refit(raw, f"refitted to its runs by calibrate.py --refit, {time.strftime('%Y-%m-%d')}")
+        refit(raw, "calibrate.py --refit")
         (args.out or args.refit).write_text(json.dumps(raw, indent=1) + "\n")
         print(f"calibrate: refitted {args.refit} into {args.out or args.refit}")
         return
@@ -757,18 +782,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{here}: plain {model.name} steps at batches {batches}, "
         "beyond GEMMs, attention and loss (slope)",
     )
-    fixed = src(per_layer, f"{here}: the same fit's intercept per layer")
+    part, key = layer_fit_place(graphed=cuda)
+    raw[part][key] = src(per_layer, f"{here}: the same fit's intercept per layer")
     h = raw["host"]
-    if cuda:  # small kernels on the device; the host runs ahead, its launches timed apart
-        c["layer_overhead_us"] = fixed
+    if cuda:  # the host runs ahead of the device: its launches per layer timed apart
         layer_us, device_share = host_layer_us(model, device, dtype, loop)
         h["layer_us"] = src(
             layer_us,
             f"{here}: the plain model's eager step at 32 tokens, batch 1, per layer (the "
             f"slope from half its layers; its graphed replay took {device_share:.0%} of it)",
         )
-    else:  # on a CPU the fixed cost per layer is the host's dispatch
-        h["layer_us"] = fixed
     print("calibrate: host time per use", flush=True)
     local = measure_use_us(device, {} if not cuda else {"param_dtype": "bfloat16"})
     h["use_us_local"] = src(local, f"{here}: 16 Linear(64, 64) wrapped or not, world 1")

@@ -46,6 +46,17 @@ def run_key(run: dict) -> tuple:
     return (run["source"], run["method"], str(run["model"]), run["batch"], run.get("mesh", ""))
 
 
+def with_added(calibration: Path, made: list[dict]) -> list[dict]:
+    """`made`, the runs a script builds `calibration` from, and after them the runs of the
+    stored `calibration` from any other source: those later calls appended (`add`), which a
+    rebuild keeps, held out (the fit is `made`'s)."""
+    if not calibration.exists():
+        return made
+    sources = {r["source"] for r in made}
+    stored = json.loads(calibration.read_text())["runs"]
+    return made + [dict(r, calibration=False) for r in stored if r["source"] not in sources]
+
+
 def add(calibration: Path, new: list[dict]) -> None:
     """Append the runs of `new` that `calibration` does not hold yet (by `run_key`)."""
     raw = json.loads(calibration.read_text())

@@ -226,8 +226,9 @@ def test_calibrate_times_a_use_of_two_ranks_in_a_faked_world(
 
 def test_calibrate_refit_reproduces_what_the_run_fitted(tmp_path: Path) -> None:
     """`calibrate.py --refit` fits the elementwise bytes, the cost per layer and `block_us`
-    again to a calibration's own stored runs: under the model that fitted cpu_gloo.json on
-    2026-12-04 it gives the numbers that run wrote, and a changed value is fitted back."""
+    again to a calibration's own stored runs: from cpu_gloo.json, values changed, it gives back
+    what that JSON holds (the 2026-12-04 run's fit, under the model's counts then and now), and
+    a second refit changes no value."""
     stored = json.loads((ROOT / "benchmarks/calibration/cpu_gloo.json").read_text())
     raw = json.loads(json.dumps(stored))
     raw["compute"]["elementwise_bytes"]["value"] = 1.0  # what the refit must recover
@@ -242,6 +243,10 @@ def test_calibrate_refit_reproduces_what_the_run_fitted(tmp_path: Path) -> None:
         assert refit[part][key]["value"] == pytest.approx(stored[part][key]["value"], rel=1e-5)
         assert "refitted to its runs by calibrate.py --refit" in refit[part][key]["source"]
     assert refit["runs"] == stored["runs"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads(path.read_text())
+    assert again == refit  # the same values, and each source's note once
 
 
 def _python_calls(rank: int, world: int) -> dict[str, list[float]]:

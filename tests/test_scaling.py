@@ -55,7 +55,7 @@ def test_held_out_h100_graphed_and_1p36b_batch_4_and_8_steps_within_target() -> 
     """On the H100 (h100.json: one GPU's calibrate.py, its per-layer cost fitted to graphed
     steps at 1.36B), every held-out graphed step and every 1.36B step at batch 4 and 8 is
     within 10 %, 28 of them. Batch-1 eager steps move with the host and are reported; so are
-    the 125M steps at batch 8 (-8 to -14 %: the model's parts are off in ways that cancel at
+    the 125M steps at batch 8 (8 to 14 % low: the model's parts are off in ways that cancel at
     1.36B, as one H100's kernels show at 125M: GEMMs in whole waves of 128 x 256 tiles 46 %
     high, the loss counted at 12 bytes per logit where its kernels move 36; RESULTS.md)."""
     steady = [

@@ -13,7 +13,8 @@ the inter-node links (nominal there too) and the FP8/NVFP4 decode kernels (memor
 timed on an H200 whose HBM is 1.4x faster: an H100 takes longer); FSDP2's host time per block is
 the H200 host's fit, scaled by the two hosts' probes (benchmarks/host_probe.py). What
 calibrate.py fitted to the first JSON's runs is fitted again to them under the cost model's
-current counts (`calibrate.refit`), so the JSONs stay the records of their calls.
+current counts (`calibrate.refit`), so the JSONs stay the records of their calls. Runs that
+later calls appended to h100.json (results/*/add_runs.py) are kept.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ CHECKOUT = CALIBRATION.parents[1]
 sys.path.insert(0, str(CHECKOUT / "benchmarks"))
 
 from calibrate import refit  # noqa: E402
+from stored_runs import with_added  # noqa: E402
 
 BORROWED = "borrowed from h200.json (not measured on an H100): "
 
@@ -47,7 +49,7 @@ def borrowed(entry: dict | float) -> dict:
 
 def build(calibrated: list[Path]) -> dict:
     raw = json.loads(calibrated[0].read_text())
-    refit(raw, "refitted to its runs by scripts/h100_from_calibrate.py")
+    refit(raw, "scripts/h100_from_calibrate.py")
     h200 = json.loads((CALIBRATION / "h200.json").read_text())
     if raw["links"]["intra"]["all_gather"]["gbs"] != 1.0:
         raise SystemExit(f"{calibrated[0]}: measured links; this script is for one GPU's JSON")
@@ -80,7 +82,7 @@ def build(calibrated: list[Path]) -> dict:
     for path in calibrated[1:]:
         for r in json.loads(path.read_text())["runs"]:  # another call's fit is held out here
             runs.append(dict(r, source=f"{relative(path)} ({r['source']})", calibration=False))
-    raw["runs"] = runs
+    raw["runs"] = with_added(CALIBRATION / "h100.json", runs)
     return raw
 
 

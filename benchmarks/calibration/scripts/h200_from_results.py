@@ -20,7 +20,7 @@ RESULTS = CALIBRATION.parent / "results"
 sys.path.insert(0, str(CALIBRATION.parents[1]))
 sys.path.insert(0, str(CALIBRATION.parent))
 
-from stored_runs import run_key  # noqa: E402
+from stored_runs import with_added  # noqa: E402
 
 from gtp_wrap.scaling.baselines import fsdp2  # noqa: E402
 from gtp_wrap.scaling.cluster import cluster_from_dict  # noqa: E402
@@ -406,12 +406,8 @@ def calibrate_runs() -> list[dict]:
 
 def main() -> None:
     raw = fit(skeleton())
-    raw["runs"] = runs() + calibrate_runs()
-    # Runs that later calls added (results/*/add_runs.py) stay, as they were stored.
     out = CALIBRATION / "h200.json"
-    made = {run_key(r) for r in raw["runs"]}
-    if out.exists():
-        raw["runs"] += [r for r in json.loads(out.read_text())["runs"] if run_key(r) not in made]
+    raw["runs"] = with_added(out, runs() + calibrate_runs())
     out.write_text(json.dumps(raw, indent=1) + "\n")
     print(f"wrote {out}: {len(raw['runs'])} runs")
 

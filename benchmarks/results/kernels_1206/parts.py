@@ -40,13 +40,18 @@ def attention_s(batch: int, heads: int, seq: int, hd: int) -> float:
         for _ in range(3)
     )
     grad = torch.randn(batch, heads, seq, hd, device=device, dtype=dtype)
-    return burst(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad))()
+    # autograd.grad: each call writes new gradients, as a step does, not adding into .grad
+    return burst(
+        lambda: torch.autograd.grad(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad
+        )
+    )()
 
 
 def loss_s(rows: int, vocab: int) -> float:
     logits = torch.randn(rows, vocab, device=device, dtype=dtype, requires_grad=True)
     y = torch.randint(0, vocab, (rows,), device=device)
-    return burst(lambda: F.cross_entropy(logits.float(), y).backward())()
+    return burst(lambda: torch.autograd.grad(F.cross_entropy(logits.float(), y), logits))()
 
 
 out: dict = {"device": torch.cuda.get_device_name(), "gemms": [], "attention": [], "loss": []}
