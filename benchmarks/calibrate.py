@@ -237,12 +237,10 @@ def skeleton(device: torch.device, tile: tuple[int, int], units: int) -> dict:
 
 
 def measure_gemms(
-    model: ModelConfig, batches: list[int], device: torch.device, dtype: torch.dtype, raw: dict
-) -> tuple[float, float]:
-    """(TFLOP/s, µs per GEMM) fitted to the model's weight GEMMs (forward, input gradient,
-    weight gradient) at each batch's token count, with the wave model's FLOPs."""
-    unit = cluster_from_dict(raw, "skeleton")  # 1 TFLOP/s, no overhead: seconds = TFLOPs
-    rows, ys = [], []
+    model: ModelConfig, batches: list[int], device: torch.device, dtype: torch.dtype
+) -> list[dict]:
+    """Seconds of each of the model's weight GEMM shapes (forward, input gradient, weight
+    gradient) at each batch's token count, back to back as in a step: `{m, k, n, seconds}`."""
     shapes = set()
     for batch in batches:
         m = batch * model.seq
@@ -255,15 +253,24 @@ def measure_gemms(
         for _ in range(burst):
             a @ b
 
+    samples = []
     for mm, k, n in sorted(shapes):
         a = torch.randn(mm, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        ys.append(timed(lambda a=a, b=b: gemms(a, b), device, 5) / burst)
-        rows.append([gemm_s(unit, mm, n, k), 1.0])
-    # relative errors: small and large GEMMs weigh alike
-    inv_rate, overhead = nonneg_least_squares(
-        [[x / y for x in r] for r, y in zip(rows, ys)], [1.0] * len(ys)
-    )
+        seconds = timed(lambda a=a, b=b: gemms(a, b), device, 5) / burst
+        samples.append({"m": mm, "k": k, "n": n, "seconds": seconds})
+    return samples
+
+
+def fit_gemms(raw: dict, samples: list[dict]) -> tuple[float, float]:
+    """(TFLOP/s, µs per GEMM) fitted to GEMM timings with the wave model's FLOPs, in relative
+    errors, so that small and large GEMMs weigh alike."""
+    # At 1 TFLOP/s and no cost per GEMM the wave model's seconds are its TFLOPs.
+    compute = dict(raw["compute"], gemm_tflops=1.0, gemm_overhead_us=0.0)
+    unit = cluster_from_dict(dict(raw, compute=compute), "the GEMM fit")
+    rows = [[gemm_s(unit, g["m"], g["n"], g["k"]) / g["seconds"], 1.0 / g["seconds"]]
+            for g in samples]  # fmt: skip
+    inv_rate, overhead = nonneg_least_squares(rows, [1.0] * len(samples))
     return 1 / inv_rate, overhead * 1e6
 
 
@@ -445,12 +452,13 @@ REFITTED = "; refitted to its runs by "
 
 
 def refit(raw: dict, by: str) -> None:
-    """Fit again, to a calibration's own stored runs, what calibrate.py fitted to runs when it
-    ran: the elementwise bytes and the fixed cost per layer (to its plain calibration steps,
-    their times as stored, rounded to the µs), then `host.block_us` (to its world-1 gtp_blocks
-    step, where it had one). What a change to how the cost model counts a step's parts needs
-    (as the loss's bytes per logit), without the machine; the rates calibrate.py measured
-    directly (GEMMs, attention, HBM) need the machine. `by` names the refit in each source."""
+    """Fit again, to what a calibration stores, what calibrate.py fitted when it ran: the GEMM
+    rate and cost per GEMM (to its `gemm_samples`, which calibrations since 2026-12-06 keep),
+    the elementwise bytes and the fixed cost per layer (to its plain calibration steps, their
+    times as stored, rounded to the µs), then `host.block_us` (to its world-1 gtp_blocks step,
+    where it had one). What a change to how the cost model counts a step's parts needs (the
+    GEMMs' waves, the loss's bytes per logit), without the machine; the rates calibrate.py
+    measured directly (attention, HBM) need the machine. `by` names the refit in each source."""
     plain = [
         r for r in raw["runs"] if r.get("calibration") and r["method"] in ("plain", "plain_graph")
     ]
@@ -463,12 +471,18 @@ def refit(raw: dict, by: str) -> None:
             "calibrate --refit: the calibration or its plain runs carry no probe_s (the GEMM "
             "probe the fit scales each step by): only calibrate.py's own JSONs can be refitted"
         )
-    steps = [(r["batch"], r["measured_ms"] * 1e-3, r["probe_s"]) for r in plain]
-    per_byte, per_layer = fit_elementwise(run_model(plain[0]), raw, steps)
     note = f"{REFITTED}{by}, {time.strftime('%Y-%m-%d')}"
 
     def store(part: str, key: str, value: float, source: str) -> None:
         raw[part][key] = src(value, source.split(REFITTED)[0] + note)
+
+    if "gemm_samples" in raw:  # first: the elementwise fit takes what the GEMMs leave
+        c = raw["compute"]
+        tflops, overhead = fit_gemms(raw, raw["gemm_samples"])
+        store("compute", "gemm_tflops", tflops, c["gemm_tflops"]["source"])
+        store("compute", "gemm_overhead_us", overhead, c["gemm_overhead_us"]["source"])
+    steps = [(r["batch"], r["measured_ms"] * 1e-3, r["probe_s"]) for r in plain]
+    per_byte, per_layer = fit_elementwise(run_model(plain[0]), raw, steps)
 
     part, key = layer_fit_place(plain[0]["method"] == "plain_graph")
     for where, value in ((("compute", "elementwise_bytes"), per_byte), ((part, key), per_layer)):
@@ -770,7 +784,8 @@ def main(argv: list[str] | None = None) -> None:
     loop = _gemm_loop(device, dtype)
     raw["probe_s"] = src(timed(loop, device, 5, 1), f"{here}: a fixed GEMM loop, alone")
     print("calibrate: GEMMs", flush=True)
-    tflops, overhead = measure_gemms(model, batches, device, dtype, raw)
+    raw["gemm_samples"] = measure_gemms(model, batches, device, dtype)
+    tflops, overhead = fit_gemms(raw, raw["gemm_samples"])
     c["gemm_tflops"] = src(tflops, f"{here}: GEMMs at {model.name}'s shapes, batches {batches}")
     c["gemm_overhead_us"] = src(overhead, f"{here}: the same fit's intercept")
     c["attention_tflops"] = src(measure_attention(model, device, dtype), f"{here}: SDPA fwd+bwd")

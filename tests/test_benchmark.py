@@ -249,6 +249,30 @@ def test_calibrate_refit_reproduces_what_the_run_fitted(tmp_path: Path) -> None:
     assert again == refit  # the same values, and each source's note once
 
 
+def test_calibrate_refit_fits_the_gemm_rate_to_stored_gemm_timings(tmp_path: Path) -> None:
+    """With `gemm_samples` stored (calibrate.py keeps every GEMM it timed), `--refit` fits the
+    GEMM rate and cost per GEMM again: timings the wave model gives at 500 GFLOP/s and 7 µs a
+    GEMM come back as those two numbers."""
+    from gtp_wrap.scaling.cluster import cluster_from_dict
+    from gtp_wrap.scaling.predict import gemm_s
+
+    raw = json.loads((ROOT / "benchmarks/calibration/cpu_gloo.json").read_text())
+    truth = dict(raw["compute"], gemm_tflops=0.5, gemm_overhead_us=7.0)
+    cluster = cluster_from_dict(dict(raw, compute=truth), "truth")
+    shapes = [(256, 256, 688), (1024, 688, 256), (256, 1024, 256), (64, 256, 256)]
+    raw["gemm_samples"] = [
+        {"m": m, "k": k, "n": n, "seconds": gemm_s(cluster, m, n, k)} for m, k, n in shapes
+    ]
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(raw))
+    cmd = [sys.executable, str(ROOT / "benchmarks/calibrate.py"), "--refit", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compute = json.loads(path.read_text())["compute"]
+    assert compute["gemm_tflops"]["value"] == pytest.approx(0.5, rel=1e-4)
+    assert compute["gemm_overhead_us"]["value"] == pytest.approx(7.0, rel=1e-4)
+
+
 def _python_calls(rank: int, world: int) -> dict[str, list[float]]:
     ho = _benchmark_module("host_overhead")
     x = torch.randn(4, 16)
