@@ -22,3 +22,6 @@ for run in 125M:1 125M:8 1.36B:1 1.36B:8; do
   mv $OUT/$name/summary_rank0.json $OUT/$name.json && rmdir $OUT/$name
 done
 (cd $OUT && tar czf kernels.tgz ${K}_floor_*)
+# Then, here: python benchmarks/results/kernels_1206/compare.py ${K}_parts.json $K and
+# python benchmarks/results/kernels_1206/wave_fits.py ${K}_parts.json (as run on 12-06: an
+# H200, compare_h200.txt, wave_fits_h200.txt).
