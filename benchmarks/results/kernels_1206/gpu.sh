@@ -25,3 +25,4 @@ done
 # Then, here: python benchmarks/results/kernels_1206/compare.py ${K}_parts.json $K and
 # python benchmarks/results/kernels_1206/wave_fits.py ${K}_parts.json (as run on 12-06: an
 # H200, compare_h200.txt, wave_fits_h200.txt).
+# On an H100 the same at 04:47 (compare_h100.txt, wave_fits_h100.txt).
