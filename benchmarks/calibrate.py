@@ -488,8 +488,8 @@ def refit(raw: dict, by: str) -> None:
     for where, value in ((("compute", "elementwise_bytes"), per_byte), ((part, key), per_layer)):
         store(*where, value, raw[where[0]][where[1]]["source"])
     fitted = [r for r in raw["runs"] if r["method"] == "gtp_blocks" and r.get("calibration")]
-    if fitted:
-        fit_block_us(raw, here=raw["host"]["block_us"]["source"].split(": ")[0])
+    if fitted:  # its source is the calibration's own, as `runs_of` wrote it
+        fit_block_us(raw, here=fitted[0]["source"])
         block = raw["host"]["block_us"]
         store("host", "block_us", block["value"], block["source"])
 

@@ -177,13 +177,14 @@ def measure(args: argparse.Namespace, device: torch.device, world: int = 1) -> d
         for method, (model, optim, autocast) in order[::-1] if r % 2 else order:
             per: dict[str, list[float]] = collections.defaultdict(list)
             timers.calls.clear()
-            for step in range(args.warmup + args.steps):
-                timed = step >= args.warmup
-                timers.on = timed and method.startswith("gtp")
-                before = dict(timers.seconds)
-                _sync(device)
-                t0, c0 = time.perf_counter(), time.process_time()
-                with torch.autograd.set_multithreading_enabled(not method.endswith(ONE_THREAD)):
+            # Set once for the method's steps, outside the phases it would add to.
+            with torch.autograd.set_multithreading_enabled(not method.endswith(ONE_THREAD)):
+                for step in range(args.warmup + args.steps):
+                    timed = step >= args.warmup
+                    timers.on = timed and method.startswith("gtp")
+                    before = dict(timers.seconds)
+                    _sync(device)
+                    t0, c0 = time.perf_counter(), time.process_time()
                     with torch.autocast(device.type, autocast, enabled=autocast is not None):
                         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
                     t1 = time.perf_counter()
@@ -192,17 +193,17 @@ def measure(args: argparse.Namespace, device: torch.device, world: int = 1) -> d
                     optim.step()
                     t3 = time.perf_counter()
                     clear_grads(method, model, optim)
-                t4, c4 = time.perf_counter(), time.process_time()
-                _sync(device)
-                t5 = time.perf_counter()
-                if not timed:
-                    continue
-                for phase, a, b in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
-                    per[phase].append(b - a)
-                per["step"].append(t5 - t0)
-                per["step_cpu"].append(c4 - c0)
-                for key in timers.calls:
-                    per[key].append(timers.seconds[key] - before.get(key, 0.0))
+                    t4, c4 = time.perf_counter(), time.process_time()
+                    _sync(device)
+                    t5 = time.perf_counter()
+                    if not timed:
+                        continue
+                    for phase, a, b in zip(PHASES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+                        per[phase].append(b - a)
+                    per["step"].append(t5 - t0)
+                    per["step_cpu"].append(c4 - c0)
+                    for key in timers.calls:
+                        per[key].append(timers.seconds[key] - before.get(key, 0.0))
             calls[method] = {k: v // args.steps for k, v in timers.calls.items()}
             for key, values in per.items():
                 median = statistics.median(values)
