@@ -12,6 +12,10 @@ import json
 from pathlib import Path
 
 _GEMMS = ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul")
+# Attention's kernels, which the GEMM names above also match: cuDNN's SDPA kernels are named
+# "..._sdpa_sm90_flash_..." (counted as GEMMs until 2026-12-06: every "gemm" figure of a
+# profile summary before then includes attention's kernels), FlashAttention's "...fmha...".
+_ATTENTION = ("sdpa", "flash", "fmha", "attention", "cudnn::fusion")
 # The copy-engine collectives' SM kernels on their side streams: the fused Triton kernels
 # (copy_kernels.py: a gather's double write, a reduce-scatter's sum), or without Triton
 # PyTorch's add of the peer's fp32 row and halving for the mean.
@@ -33,7 +37,12 @@ def load_gpu_events(path: Path) -> list[dict]:
 
 def is_gemm(name: str) -> bool:
     n = name.lower()
-    return any(k in n for k in _GEMMS)
+    return any(k in n for k in _GEMMS) and not is_attention(name)
+
+
+def is_attention(name: str) -> bool:
+    n = name.lower()
+    return any(k in n for k in _ATTENTION)
 
 
 def is_nccl(name: str) -> bool:

@@ -76,6 +76,8 @@ def test_profile_summary_splits_kernel_time_by_kind(tmp_path: Path) -> None:
         ("sm90_gemm_bf16", 300, 100),
         ("ncclDevKernel_ReduceScatter_Sum", 500, 40),  # under nothing
         ("c10d::symmetric_memory::barrier_kernel", 200, 10),  # a copy-engine collective's
+        # cuDNN's attention, whose "sm90_" is no GEMM's
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", 600, 30),
     ]
     events = [{"cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]
     # A copy-engine transfer: a memcpy, half under the second GEMM.
@@ -85,7 +87,7 @@ def test_profile_summary_splits_kernel_time_by_kind(tmp_path: Path) -> None:
     assert out["all_gather"]["overlapped_with_gemm_share"] == 0.5
     assert out["reduce_scatter"]["overlapped_with_gemm_share"] == 0.0
     assert out["per_step_ms"] == {
-        "gemm": 0.1, "other_compute": 0.01, "compute_stream_busy": 0.11,
+        "gemm": 0.1, "attention": 0.015, "other_compute": 0.01, "compute_stream_busy": 0.125,
         "collective_kernels": 0.075,
     }  # fmt: skip
     assert out["memcpy"] == {
