@@ -5,8 +5,10 @@
 
 What it measures, each with a source line in the JSON:
 - compute, in this process (world 1): GEMMs at the model's shapes (forward, input and weight
-  gradients at each batch's token count; rate and per-GEMM cost fitted with the wave model),
-  attention (SDPA forward and backward), the optimizer's memory rate (AdamW over a flat
+  gradients at each batch's token count; rate and per-GEMM cost fitted with the wave model)
+  and attention (SDPA forward and backward; on a GPU its rate and fixed time per layer), on a
+  GPU both timed inside the plain model's steps (see [Note: kernels timed in the step]), on a
+  CPU each alone; the optimizer's memory rate (AdamW over a flat
   buffer, 28 bytes per element), and the plain model's forward and backward at two batches,
   whose time beyond GEMMs, attention and loss gives the elementwise bytes per token (slope) and
   the fixed cost per layer (intercept: host time on a CPU; on a GPU small kernels, fitted to
@@ -59,6 +61,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fake_world  # noqa: E402
+from trace_events import is_attention  # noqa: E402
 
 from gtp_wrap import GTPWrap, gather_per_block  # noqa: E402
 from gtp_wrap.app.launch import launch  # noqa: E402
@@ -68,9 +71,10 @@ from gtp_wrap.scaling.mesh import Mesh  # noqa: E402
 from gtp_wrap.scaling.model import MODELS, ModelConfig  # noqa: E402
 from gtp_wrap.scaling.predict import (  # noqa: E402
     ATTENTION_BACKWARD,
-    LOSS_BYTES,
     Plan,
+    attention_layer_s,
     gemm_s,
+    loss_bytes,
     pass_order,
     weight_gemms_s,
 )
@@ -275,7 +279,8 @@ def fit_gemms(raw: dict, samples: list[dict]) -> tuple[float, float]:
 
 
 def measure_attention(model: ModelConfig, device: torch.device, dtype: torch.dtype) -> float:
-    """TFLOP/s of SDPA forward and backward, in the FLOPs ModelConfig counts."""
+    """TFLOP/s of SDPA forward and backward, in the FLOPs ModelConfig counts (on a CPU, where
+    a call is not launch-bound; a GPU's is timed in its steps, `measure_step_kernels`)."""
     hd = model.d // model.heads
     q, k, v = (
         torch.randn(1, model.heads, model.seq, hd, device=device, dtype=dtype, requires_grad=True)
@@ -285,9 +290,78 @@ def measure_attention(model: ModelConfig, device: torch.device, dtype: torch.dty
     def step() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-    seconds = timed(step, device, 5 if device.type == "cpu" else 20)
+    seconds = timed(step, device, 5)
     flops = model.seq * model.attention_flops_per_token() * (1 + ATTENTION_BACKWARD)
     return flops / seconds / 1e12
+
+
+_MATMULS = ("aten::mm", "aten::addmm")
+_PROFILED_STEPS = 2
+
+
+def step_kernels(step: Callable[[], object], device: torch.device) -> tuple[list[dict], float]:
+    """(each matmul shape's `{m, k, n, per_step, seconds}`, attention's seconds) of one step, in
+    the device time its kernels took inside it: `step` profiled over two calls after three.
+
+    [Note: kernels timed in the step] A GEMM or an attention call timed on its own measures
+    something else than the step runs: small ones are set by the host's launch and the sync
+    after them (the 125M batch-1 GEMMs read 14-22 µs a call back to back on an H100, 7-15 in
+    its step), and even large ones ran 5-10 % slower than in the step (2026-12-06,
+    `benchmarks/results/gemm_l2_1206`: not the L2, whose cold inputs changed nothing). What the
+    cost model predicts is the step, so its GEMM and attention rates are fitted to the step's
+    own kernels: the profiler's device time per op and input shapes."""
+    for _ in range(3):
+        step()
+    _sync(device)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(_PROFILED_STEPS):
+            step()
+        _sync(device)
+    gemms, attention_us = [], 0.0
+    cuda = device.type == "cuda"
+    if cuda:  # attention's kernels by name: cuDNN's are not tied to the op that ran them
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        attention_us = sum(e.time_range.elapsed_us() for e in kernels if is_attention(e.name))
+    for e in prof.key_averages(group_by_input_shape=True):
+        # A CPU's ops run on the calling thread: their own time there is their kernels'.
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if not cuda and "scaled_dot_product" in e.key:
+            attention_us += us
+        elif e.key in _MATMULS and us > 0:
+            (m, k), (_, n) = [s for s in e.input_shapes if len(s) == 2][-2:]
+            gemms.append({"m": m, "k": k, "n": n, "per_step": e.count / _PROFILED_STEPS,
+                          "seconds": us * 1e-6 / e.count})  # fmt: skip
+    return gemms, attention_us * 1e-6 / _PROFILED_STEPS
+
+
+def measure_step_kernels(
+    model: ModelConfig, batches: list[int], device: torch.device, dtype: torch.dtype
+) -> tuple[list[dict], list[dict]]:
+    """(GEMM samples, attention samples) of the plain model's step at each batch, in its own
+    kernels (see [Note: kernels timed in the step]): each GEMM shape's seconds per call, with
+    its batch and count per step, and `{batch, seconds}` of a step's attention, forward and
+    backward, over every layer."""
+    gemms, attention = [], []
+    for batch in batches:
+        net, _, step = _plain_model(model, batch, device, dtype)
+        shapes, attention_s = step_kernels(step, device)
+        gemms += [{"batch": batch, **g} for g in shapes]
+        attention.append({"batch": batch, "seconds": attention_s})
+        del net
+        torch.cuda.empty_cache()
+    return gemms, attention
+
+
+def fit_attention(model: ModelConfig, samples: list[dict]) -> tuple[float, float]:
+    """(TFLOP/s, fixed µs per layer) of attention's forward and backward, fitted to a step's
+    attention at two or more batches: its time grows with the FLOPs ModelConfig counts, from a
+    fixed time per layer (the 125M model's heads of 64 took 47 µs a layer beyond their rate on
+    H100 and H200, 2026-12-06)."""
+    per_layer_flops = model.seq * model.attention_flops_per_token() * (1 + ATTENTION_BACKWARD)
+    rows = [[s["batch"] * per_layer_flops * model.layers, model.layers] for s in samples]
+    inv_rate, fixed = nonneg_least_squares(rows, [s["seconds"] for s in samples])
+    return 1 / inv_rate / 1e12, fixed * 1e6
 
 
 def measure_hbm(device: torch.device) -> float:
@@ -322,18 +396,15 @@ def _adamw_step_s(n: int, device: torch.device) -> float:
     return timed(opt.step, device, 10)
 
 
-def plain_step(
+def _plain_model(
     model: ModelConfig,
     batch: int,
     device: torch.device,
     dtype: torch.dtype,
-    probe: Callable[[], object],
-    graphed: bool = False,
     seq: int | None = None,
-) -> tuple[float, float]:
-    """(seconds, probe seconds) of the plain model's forward, loss and backward (fastest of
-    the reps, see `timed_probed`) at `seq` tokens (default the model's); `graphed`: captured
-    in one CUDA graph and replayed, so the device's time alone, without the host's."""
+) -> tuple[nn.Module, Callable[[], None], Callable[[], None]]:
+    """(the plain model, its forward, loss and backward, the same then gradients cleared) at
+    `batch` sequences of `seq` tokens (default the model's)."""
     torch.manual_seed(0)
     with torch.device(device):
         net = GPT(gpt_config(model)).to(dtype)
@@ -347,6 +418,23 @@ def plain_step(
         forward_backward()
         for p in net.parameters():
             p.grad = None
+
+    return net, forward_backward, step
+
+
+def plain_step(
+    model: ModelConfig,
+    batch: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    probe: Callable[[], object],
+    graphed: bool = False,
+    seq: int | None = None,
+) -> tuple[float, float]:
+    """(seconds, probe seconds) of the plain model's forward, loss and backward (fastest of
+    the reps, see `timed_probed`) at `seq` tokens (default the model's); `graphed`: captured
+    in one CUDA graph and replayed, so the device's time alone, without the host's."""
+    _, forward_backward, step = _plain_model(model, batch, device, dtype, seq)
 
     if graphed:  # the replays write the gradients the capture allocated, in place
         side = torch.cuda.Stream()
@@ -370,20 +458,22 @@ def host_layer_us(
     the time the host takes to launch them, so its eager step is the host's time (its graphed
     replay says how small that part is). Per layer: the slope between the model and the same
     model with half its layers, which leaves out what a step does once (the embedding, the
-    head, the loss, clearing the gradients), as the model charges that to `host.step_us`."""
+    head, the loss, clearing the gradients), as the model charges that to `host.step_us`.
+    The two models' steps are timed in turn, fastest of 20 each, so that both minima come from
+    the same minutes of the host: timed one model after the other, one H100 host read 3200
+    µs per layer and, two minutes later, 2079 (2026-12-06 06:29 and 06:31)."""
     half = dataclasses.replace(model, layers=max(1, model.layers // 2))
-    eager = [plain_step(m, 1, device, dtype, probe, seq=32)[0] for m in (half, model)]
-    graphed = [
-        plain_step(m, 1, device, dtype, probe, graphed=True, seq=32)[0] for m in (half, model)
-    ]
-    per_layer = (eager[1] - eager[0]) / (model.layers - half.layers)
+    steps = [_plain_model(m, 1, device, dtype, seq=32)[2] for m in (half, model)]
+    full_s, half_s = timed_probed(steps[1], steps[0], device, 20)
+    graphed = plain_step(model, 1, device, dtype, probe, graphed=True, seq=32)[0]
+    per_layer = (full_s - half_s) / (model.layers - half.layers)
     if per_layer <= 0:
         raise SystemExit(
-            f"calibrate: the eager step at {model.layers} layers ({eager[1] * 1e3:.2f} ms) was "
-            f"not longer than at {half.layers} ({eager[0] * 1e3:.2f} ms): the host's speed "
+            f"calibrate: the eager step at {model.layers} layers ({full_s * 1e3:.2f} ms) was "
+            f"not longer than at {half.layers} ({half_s * 1e3:.2f} ms): the host's speed "
             "moved under the measurement; run again"
         )
-    return per_layer * 1e6, graphed[1] / eager[1]
+    return per_layer * 1e6, graphed / full_s
 
 
 def fit_layers(
@@ -409,12 +499,12 @@ def fit_layers(
             runs.append({"batch": batch, "seconds": eager, "probe_s": eager_probe,
                          "method": "plain", "calibration": False})  # fmt: skip
     fitted = [(r["batch"], r["seconds"], r["probe_s"]) for r in runs if r["calibration"]]
-    per_byte, per_layer = fit_elementwise(model, raw, fitted)
+    per_byte, per_layer = fit_elementwise(model, raw, fitted, dtype.itemsize)
     return per_byte, per_layer, runs
 
 
 def fit_elementwise(
-    model: ModelConfig, raw: dict, steps: list[tuple[int, float, float]]
+    model: ModelConfig, raw: dict, steps: list[tuple[int, float, float]], compute_bytes: int
 ) -> tuple[float, float]:
     """(elementwise bytes per token per element of d + ffn, fixed µs per layer) fitted to the
     plain model's steps, each (batch, seconds, probe seconds): what GEMMs, attention and the
@@ -433,9 +523,8 @@ def fit_elementwise(
             if w.kind != "embedding"
         )
         m = batch * model.seq
-        attn = model.layers * m * model.attention_flops_per_token() * (1 + ATTENTION_BACKWARD)
-        attn /= raw["compute"]["attention_tflops"]["value"] * 1e12
-        loss = m * model.vocab * LOSS_BYTES / hbm
+        attn = model.layers * attention_layer_s(cluster, model, m)
+        loss = m * model.vocab * loss_bytes(compute_bytes) / hbm
         ys.append(seconds - gemm - attn - loss)
         rows.append([m * model.layers * (model.d + model.ffn) / hbm, model.layers])
     per_byte, per_layer = nonneg_least_squares(rows, ys)
@@ -457,8 +546,9 @@ def refit(raw: dict, by: str) -> None:
     the elementwise bytes and the fixed cost per layer (to its plain calibration steps, their
     times as stored, rounded to the µs), then `host.block_us` (to its world-1 gtp_blocks step,
     where it had one). What a change to how the cost model counts a step's parts needs (the
-    GEMMs' waves, the loss's bytes per logit), without the machine; the rates calibrate.py
-    measured directly (attention, HBM) need the machine. `by` names the refit in each source."""
+    GEMMs' waves, the loss's bytes per logit), without the machine, as does attention's rate
+    and fixed time where a GPU's `attention_samples` are stored; the HBM rate needs the
+    machine. `by` names the refit in each source."""
     plain = [
         r for r in raw["runs"] if r.get("calibration") and r["method"] in ("plain", "plain_graph")
     ]
@@ -476,15 +566,20 @@ def refit(raw: dict, by: str) -> None:
     def store(part: str, key: str, value: float, source: str) -> None:
         raw[part][key] = src(value, source.split(REFITTED)[0] + note)
 
+    c = raw["compute"]
     if "gemm_samples" in raw:  # first: the elementwise fit takes what the GEMMs leave
-        c = raw["compute"]
         tflops, overhead = fit_gemms(raw, raw["gemm_samples"])
         store("compute", "gemm_tflops", tflops, c["gemm_tflops"]["source"])
         store("compute", "gemm_overhead_us", overhead, c["gemm_overhead_us"]["source"])
+    if "attention_samples" in raw:  # a GPU's, in its steps since 2026-12-06
+        tflops, layer_us = fit_attention(run_model(plain[0]), raw["attention_samples"])
+        store("compute", "attention_tflops", tflops, c["attention_tflops"]["source"])
+        store("compute", "attention_layer_us", layer_us, c["attention_layer_us"]["source"])
     steps = [(r["batch"], r["measured_ms"] * 1e-3, r["probe_s"]) for r in plain]
-    per_byte, per_layer = fit_elementwise(run_model(plain[0]), raw, steps)
+    graphed = plain[0]["method"] == "plain_graph"  # a GPU's, in bf16; a CPU's steps are fp32
+    per_byte, per_layer = fit_elementwise(run_model(plain[0]), raw, steps, 2 if graphed else 4)
 
-    part, key = layer_fit_place(plain[0]["method"] == "plain_graph")
+    part, key = layer_fit_place(graphed)
     for where, value in ((("compute", "elementwise_bytes"), per_byte), ((part, key), per_layer)):
         store(*where, value, raw[where[0]][where[1]]["source"])
     fitted = [r for r in raw["runs"] if r["method"] == "gtp_blocks" and r.get("calibration")]
@@ -783,12 +878,24 @@ def main(argv: list[str] | None = None) -> None:
 
     loop = _gemm_loop(device, dtype)
     raw["probe_s"] = src(timed(loop, device, 5, 1), f"{here}: a fixed GEMM loop, alone")
-    print("calibrate: GEMMs", flush=True)
-    raw["gemm_samples"] = measure_gemms(model, batches, device, dtype)
+    print("calibrate: GEMMs and attention", flush=True)
+    if cuda:  # in the plain model's steps (see [Note: kernels timed in the step])
+        raw["gemm_samples"], raw["attention_samples"] = measure_step_kernels(
+            model, batches, device, dtype
+        )
+        tflops, layer_us = fit_attention(model, raw["attention_samples"])
+        where = f"{here}: the plain {model.name} step's SDPA kernels at batches {batches}"
+        c["attention_tflops"] = src(tflops, f"{where} (slope)")
+        c["attention_layer_us"] = src(layer_us, f"{where} (intercept per layer)")
+        gemms = f"{here}: the plain {model.name} step's GEMM kernels at batches {batches}"
+    else:
+        raw["gemm_samples"] = measure_gemms(model, batches, device, dtype)
+        attention = measure_attention(model, device, dtype)
+        c["attention_tflops"] = src(attention, f"{here}: SDPA fwd+bwd")
+        gemms = f"{here}: GEMMs at {model.name}'s shapes, batches {batches}"
     tflops, overhead = fit_gemms(raw, raw["gemm_samples"])
-    c["gemm_tflops"] = src(tflops, f"{here}: GEMMs at {model.name}'s shapes, batches {batches}")
+    c["gemm_tflops"] = src(tflops, gemms)
     c["gemm_overhead_us"] = src(overhead, f"{here}: the same fit's intercept")
-    c["attention_tflops"] = src(measure_attention(model, device, dtype), f"{here}: SDPA fwd+bwd")
     c["hbm_gbs"] = src(measure_hbm(device), f"{here}: AdamW step, 28 B/element")
     print("calibrate: the plain model's steps", flush=True)
     per_byte, per_layer, plain_runs = fit_layers(model, batches, device, dtype, raw, loop)

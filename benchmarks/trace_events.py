@@ -36,8 +36,13 @@ def load_gpu_events(path: Path) -> list[dict]:
 
 
 def is_gemm(name: str) -> bool:
+    return gemm_named(name) and not is_attention(name)
+
+
+def gemm_named(name: str) -> bool:
+    """Whether the name matches a GEMM's: what profiles before 2026-12-06 counted as one."""
     n = name.lower()
-    return any(k in n for k in _GEMMS) and not is_attention(name)
+    return any(k in n for k in _GEMMS)
 
 
 def is_attention(name: str) -> bool:

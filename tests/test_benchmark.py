@@ -275,6 +275,67 @@ def test_calibrate_refit_fits_the_gemm_rate_to_stored_gemm_timings(tmp_path: Pat
     assert compute["gemm_overhead_us"]["value"] == pytest.approx(7.0, rel=1e-4)
 
 
+def test_step_kernels_time_every_gemm_shape_of_the_step_and_its_attention() -> None:
+    """calibrate.py times a GPU's GEMMs and attention in the plain model's steps (see [Note:
+    kernels timed in the step]): every GEMM a step runs appears once by shape, with its count
+    per step (on a CPU, where the test runs, the ops' own time): forward, input and weight
+    gradient of each weight use but the embedding's lookup, at each batch; and attention's time
+    at each batch."""
+    import dataclasses
+
+    cal = _benchmark_module("calibrate")
+    from gtp_wrap.scaling.model import MODELS
+    from gtp_wrap.scaling.predict import pass_order
+
+    model = dataclasses.replace(
+        MODELS["gpt_125m"], layers=2, seq=32, d=64, heads=4, ffn=128, vocab=256
+    )
+    gemms, attention = cal.measure_step_kernels(model, [1, 2], torch.device("cpu"), torch.float32)
+    for batch in (1, 2):
+        m = batch * model.seq
+        expected: dict[tuple[int, int, int], int] = {}
+        for w, _ in pass_order(model, backward=False):
+            if w.kind != "embedding":
+                for shape in ((m, w.cols, w.rows), (m, w.rows, w.cols), (w.rows, m, w.cols)):
+                    expected[shape] = expected.get(shape, 0) + 1
+        timed = {
+            (g["m"], g["k"], g["n"]): g["per_step"]
+            for g in gemms
+            if g["batch"] == batch and g["seconds"] > 0
+        }
+        assert timed == expected
+    assert [a["batch"] for a in attention] == [1, 2]
+    assert all(a["seconds"] > 0 for a in attention)
+
+
+def test_calibrate_refit_fits_attention_to_stored_attention_timings(tmp_path: Path) -> None:
+    """A GPU calibration stores its steps' attention time per batch (`attention_samples`):
+    `--refit` fits attention's rate and fixed time per layer again, and timings the cost
+    model gives at 300 TFLOP/s and 50 µs a layer come back as those two numbers."""
+    from gtp_wrap.scaling.cluster import cluster_from_dict
+    from gtp_wrap.scaling.predict import attention_layer_s
+    from gtp_wrap.scaling.validate import run_model
+
+    raw = json.loads((ROOT / "benchmarks/calibration/cpu_gloo.json").read_text())
+    truth = dict(raw["compute"], attention_tflops=300.0, attention_layer_us=50.0)
+    cluster = cluster_from_dict(dict(raw, compute=truth), "truth")
+    plain = next(r for r in raw["runs"] if r.get("calibration") and r["method"] == "plain")
+    model = run_model(plain)
+    raw["attention_samples"] = [
+        {"batch": b, "seconds": model.layers * attention_layer_s(cluster, model, b * model.seq)}
+        for b in (1, 8)
+    ]
+    raw["compute"]["attention_layer_us"] = {"value": 0.0, "source": "a test"}
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(raw))
+    cmd = [sys.executable, str(ROOT / "benchmarks/calibrate.py"), "--refit", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compute = json.loads(path.read_text())["compute"]
+    assert compute["attention_tflops"]["value"] == pytest.approx(300.0, rel=1e-4)
+    assert compute["attention_layer_us"]["value"] == pytest.approx(50.0, rel=1e-4)
+
+
 def _python_calls(rank: int, world: int) -> dict[str, list[float]]:
     ho = _benchmark_module("host_overhead")
     x = torch.randn(4, 16)

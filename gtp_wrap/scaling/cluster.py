@@ -53,7 +53,8 @@ class Compute:
     """Device rates: GEMMs at `gemm_tflops` when every one of `gemm_units` (SMs; 1 on a CPU
     core) runs full output tiles of `gemm_tile_m x gemm_tile_n`, in whole waves of tiles (a
     GEMM too small to fill the device wastes the rest of its wave), plus `gemm_overhead_us`
-    each; attention at `attention_tflops` (of the FLOPs `ModelConfig` counts); memory-bound
+    each; attention at `attention_tflops` (of the FLOPs `ModelConfig` counts) plus
+    `attention_layer_us` per layer, forward and backward (its kernels' fixed time); memory-bound
     kernels at `hbm_gbs`; a layer's elementwise work (norms, rotary, SwiGLU, residuals,
     forward and backward) moves `elementwise_bytes` per token per element of `d + ffn`, and
     pays `layer_overhead_us` of small-kernel time. Decoding an encoded gather to bf16 takes
@@ -68,6 +69,7 @@ class Compute:
     hbm_gbs: float
     elementwise_bytes: float
     layer_overhead_us: float
+    attention_layer_us: float = 0.0
     fp8_decode_us: float | None = None
     fp8_decode_ns: float | None = None
     nvfp4_decode_us: float | None = None

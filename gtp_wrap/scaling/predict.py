@@ -35,7 +35,6 @@ from .precision import Precision
 
 Method = Literal["gtp", "floor", "gtp_blocks"]
 ADAMW_BYTES = 28.0  # fused AdamW per fp32 element: read param, grad, m, v; write param, m, v
-LOSS_BYTES = 12.0  # per logit: the fp32 copy written, read by the softmax, its gradient written
 BACKWARD_SHARE = 2.0 / 3.0  # of a layer's elementwise work and small kernels
 ATTENTION_BACKWARD = 2.5  # backward FLOPs of attention over forward (recomputed scores)
 
@@ -153,11 +152,14 @@ class Use:
 
 
 def gemm_s(cluster: Cluster, m: float, n: float, k: float) -> float:
-    """One GEMM of an `m x k` by `k x n` product, in whole waves of output tiles."""
+    """One GEMM of an `m x k` by `k x n` product, in whole waves of output tiles; one with
+    fewer tiles than units splits its `k` among them (split-K), as cuBLAS does for a weight
+    gradient's small output and long sum: one wave of tiles, each summing a share of `k`."""
     c = cluster.compute
     tiles = math.ceil(m / c.gemm_tile_m) * math.ceil(n / c.gemm_tile_n)
-    waves = math.ceil(tiles / c.gemm_units)
-    flops = 2.0 * waves * c.gemm_units * c.gemm_tile_m * c.gemm_tile_n * k
+    split = max(1, c.gemm_units // tiles)
+    waves = math.ceil(tiles * split / c.gemm_units)
+    flops = 2.0 * waves * c.gemm_units * c.gemm_tile_m * c.gemm_tile_n * k / split
     return flops / (c.gemm_tflops * 1e12) + c.gemm_overhead_us * 1e-6
 
 
@@ -187,14 +189,34 @@ def local_full_numel(w: Weight, mesh: Mesh) -> float:
     return w.numel / (mesh.ep if w.kind == "expert" else mesh.tp)
 
 
+def loss_bytes(compute_bytes: float) -> float:
+    """Bytes of device memory moved per logit by the fp32 cross-entropy, forward and backward,
+    over logits in a `compute_bytes` dtype, as torch runs it: log-softmax reads and writes fp32
+    (8); nll_loss's backward writes a zeroed fp32 gradient (4), which log-softmax's backward
+    reads beside its output to write its own (12); narrower logits are copied to fp32 first
+    and their gradient cast back (read and write each way). bf16: 36 bytes, in the kernels of
+    an H100 step (`benchmarks/RESULTS.md`, 2026-12-06) about 1.0 ms per 65.5M logits."""
+    casts = 2 * (compute_bytes + 4.0) if compute_bytes < 4.0 else 0.0
+    return 24.0 + casts
+
+
+def attention_layer_s(cluster: Cluster, cfg: ModelConfig, tokens: float) -> float:
+    """Seconds of one layer's attention over `tokens`, forward and backward: its FLOPs at the
+    cluster's attention rate, plus the kernels' fixed time per layer."""
+    flops = tokens * cfg.attention_flops_per_token() * (1 + ATTENTION_BACKWARD)
+    c = cluster.compute
+    return flops / (c.attention_tflops * 1e12) + c.attention_layer_us * 1e-6
+
+
 def layer_costs(plan: Plan, layer: int, backward: bool) -> float:
     """Device seconds of a layer's work that is not its weights' GEMMs: attention, elementwise
     kernels, small-kernel overhead (and the loss, for the head: layer -1)."""
     cfg, cl, mesh, m = plan.cfg, plan.cluster, plan.mesh, plan.tokens
     share = BACKWARD_SHARE if backward else 1 - BACKWARD_SHARE
     if layer < 0:
-        return share * hbm_s(cl, m * cfg.vocab * LOSS_BYTES / mesh.tp)
-    attn = m * cfg.attention_flops_per_token() / mesh.tp / (cl.compute.attention_tflops * 1e12)
+        logits = m * cfg.vocab / mesh.tp
+        return share * hbm_s(cl, logits * loss_bytes(plan.precision.compute_bytes))
+    attn = attention_layer_s(cl, cfg, m / mesh.tp) / (1 + ATTENTION_BACKWARD)
     width = cfg.d + (cfg.top_k * cfg.expert_ffn if cfg.experts else cfg.ffn)
     elementwise = hbm_s(cl, m * width * cl.compute.elementwise_bytes / mesh.tp)
     small = cl.compute.layer_overhead_us * 1e-6

@@ -20,7 +20,9 @@ RESULTS = CALIBRATION.parent / "results"
 sys.path.insert(0, str(CALIBRATION.parents[1]))
 sys.path.insert(0, str(CALIBRATION.parent))
 
+from calibrate import nonneg_least_squares  # noqa: E402
 from stored_runs import with_added  # noqa: E402
+from trace_events import gemm_named, is_attention  # noqa: E402
 
 from gtp_wrap.scaling.baselines import fsdp2  # noqa: E402
 from gtp_wrap.scaling.cluster import cluster_from_dict  # noqa: E402
@@ -28,8 +30,8 @@ from gtp_wrap.scaling.mesh import Mesh  # noqa: E402
 from gtp_wrap.scaling.model import GPT_1P36B, GPT_125M  # noqa: E402
 from gtp_wrap.scaling.predict import (  # noqa: E402
     ATTENTION_BACKWARD,
-    LOSS_BYTES,
     Plan,
+    loss_bytes,
     pass_order,
     predict,
     weight_gemms_s,
@@ -160,46 +162,66 @@ def gemm_parts(raw: dict, plan_of) -> tuple[float, int]:
     return total, count
 
 
+KERNELS = "results/kernels_1206/h200_floor_{}_b{}.json"  # the floor's kernels, 2026-12-06
+FLOORS = [(GPT_125M, "125M", 1), (GPT_125M, "125M", 8), (GPT_1P36B, "1.36B", 1),
+          (GPT_1P36B, "1.36B", 8)]  # fmt: skip
+
+
+def floor_kernels(name: str, batch: int) -> tuple[float, float, float]:
+    """(GEMMs, attention, the rest) of the world-1 floor step at `name` and `batch`, ms, from
+    its profile's summary. Profiles of that day counted cuDNN's attention kernels among the
+    GEMMs (their names match "sm90_", benchmarks/trace_events.py): the attention kernels the
+    summary lists by name are taken out of the GEMMs' time (its small cudnn::fusion kernels, in
+    the rest, are listed only where they are among the 25 longest)."""
+    trace = load(KERNELS.format(name, batch).removeprefix("results/"))["trace"]
+    listed = [k for k in trace["top_kernels_per_step"] if is_attention(k["name"])]
+    in_gemms = sum(k["ms"] for k in listed if gemm_named(k["name"]))
+    attention = sum(k["ms"] for k in listed)
+    ms = trace["per_step_ms"]
+    gemm = ms["gemm"] - in_gemms
+    return gemm, attention, ms["compute_stream_busy"] - gemm - attention
+
+
 def fit(raw: dict) -> dict:
-    """GEMM rate and overhead, attention rate, elementwise bytes and layer overhead from the
-    floor's profiles (1.36B, batch 1 and 8) and the graphed floor at 125M batch 1."""
-    prof1, prof8 = load("profile_b1_grouped_floor.json"), load("profile_floor_b8.json")
-    g1, g8 = prof1["trace"]["per_step_ms"]["gemm"], prof8["trace"]["per_step_ms"]["gemm"]
+    """GEMM rate and overhead, attention's rate and fixed time per layer, elementwise bytes
+    from the world-1 floor's kernels at 125M and 1.36B, batch 1 and 8 (2026-12-06), and the
+    layer overhead from the graphed floor at 125M batch 1."""
+    kernels = {(name, batch): floor_kernels(name, batch) for _, name, batch in FLOORS}
+    where = "results/kernels_1206/h200_floor_*.json (125M and 1.36B, batch 1 and 8)"
 
     def plan_at(model, batch: int):
-        return lambda cl: Plan(model, cl, Mesh(gtp=2), batch=batch, seq=2048)
+        return lambda cl: Plan(model, cl, Mesh(), batch=batch, seq=2048)
 
-    f1, n1 = gemm_parts(raw, plan_at(GPT_1P36B, 1))
-    f8, _ = gemm_parts(raw, plan_at(GPT_1P36B, 8))
-    # g = f / R + n * t0 at batch 1 and 8 (the same GEMM count)
-    tflops = (f8 - f1) / ((g8 - g1) * 1e-3)
-    overhead_us = (g1 * 1e-3 - f1 / tflops) / n1 * 1e6
+    # GEMMs: ms = flops / rate + count * overhead, in relative errors over the four steps
+    rows, ys = [], []
+    for model, name, batch in FLOORS:
+        flops, count = gemm_parts(raw, plan_at(model, batch))
+        gemm_s = kernels[(name, batch)][0] * 1e-3
+        rows.append([flops / gemm_s, count / gemm_s])
+        ys.append(1.0)
+    inv_rate, overhead = nonneg_least_squares(rows, ys)
     c = raw["compute"]
-    pf = "results/profile_b1_grouped_floor.json and results/profile_floor_b8.json"
     c["gemm_tflops"] = src(
-        tflops, f"{pf}: per_step_ms.gemm at batch 1 and 8 (fit, with the wave model)"
+        1 / inv_rate, f"{where}: per_step_ms.gemm less attention's kernels (fit, wave model)"
     )
-    c["gemm_overhead_us"] = src(overhead_us, f"{pf}: the same fit's intercept per GEMM")
-    sdpa = sum(
-        k["ms"]
-        for k in prof1["trace"]["top_kernels_per_step"]
-        if "sdpa" in k["name"] or "cudnn::fusion" in k["name"]
-    )
+    c["gemm_overhead_us"] = src(overhead * 1e6, f"{where}: the same fit's intercept per GEMM")
+    # Attention: s = layers * (tokens * flops per token / rate + fixed)
+    rows, ys = [], []
+    for model, name, batch in FLOORS:
+        flops = batch * 2048 * model.attention_flops_per_token() * (1 + ATTENTION_BACKWARD)
+        rows.append([model.layers * flops, model.layers])
+        ys.append(kernels[(name, batch)][1] * 1e-3)
+    inv_rate, fixed = nonneg_least_squares(rows, ys)
+    c["attention_tflops"] = src(1 / inv_rate / 1e12, f"{where}: cuDNN's SDPA kernels (slope)")
+    c["attention_layer_us"] = src(fixed * 1e6, f"{where}: the same fit's intercept per layer")
+    # The rest grows by the same per batch: the 1.36B model's, less the loss, is elementwise.
     m = GPT_1P36B
-    attn_flops = m.layers * 2048 * 4 * 2048 * m.d * (1 + ATTENTION_BACKWARD)
-    c["attention_tflops"] = src(
-        attn_flops / (sdpa * 1e-3) / 1e12,
-        "results/profile_b1_grouped_floor.json: cuDNN SDPA kernels per step",
-    )
-    # Other compute grows by the same per batch: subtract attention and the loss from it.
-    o1, o8 = (p["trace"]["per_step_ms"]["other_compute"] for p in (prof1, prof8))
-    per_batch_s = (o8 - o1) / 7 * 1e-3
+    per_batch_s = (kernels[("1.36B", 8)][2] - kernels[("1.36B", 1)][2]) / 7 * 1e-3
     hbm = c["hbm_gbs"]["value"] * 1e9
-    loss_s = 2048 * m.vocab * LOSS_BYTES / hbm
-    elementwise_s = per_batch_s - sdpa * 1e-3 - loss_s
+    elementwise_s = per_batch_s - 2048 * m.vocab * loss_bytes(2) / hbm  # bf16 logits
     c["elementwise_bytes"] = src(
         elementwise_s * hbm / (2048 * m.layers * (m.d + m.ffn)),
-        f"{pf}: per_step_ms.other_compute per batch, less attention and the loss",
+        f"{where}: the 1.36B floor's kernels beyond GEMMs and attention per batch, less the loss",
     )
     # The graphed floor at 125M batch 1 (world 2): what the rates above leave is small kernels.
     cl = cluster_from_dict(raw, "partial")

@@ -4,7 +4,6 @@ step (instep_shapes.py), per shape and summed per model and batch.
     python benchmarks/results/gemm_l2_1206/compare_instep.py h100
 """
 
-import ast
 import json
 import sys
 from collections import defaultdict
@@ -19,21 +18,20 @@ instep = json.loads((HERE / f"{kind}_instep.json").read_text())
 timed = {(g["model"], g["batch"], g["m"], g["k"], g["n"]): g for g in parts["gemms"]}
 sums: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
 print(f"{parts['device']}: µs per call | shape (M, K, N) | calls a step | in the step | hot | cold")
-for r in instep:
-    (m, k), (_, n) = ast.literal_eval(r["shapes"])[:2]
-    key = (NAMES[r["model"]], r["batch"], m, k, n)
+for r in instep["gemms"]:
+    key = (NAMES[r["model"]], r["batch"], r["m"], r["k"], r["n"])
     g = timed.get(key)
-    calls = r["calls_per_step"]
-    step_us = r["device_us_per_step"] / calls
+    calls = r["per_step"]
+    step_us = r["seconds"] * 1e6
     hot = g["hot_s"] * 1e6 if g else float("nan")
     cold = g["cold_s"] * 1e6 if g else float("nan")
     row = sums[key[:2]]
-    row[0] += r["device_us_per_step"]
+    row[0] += calls * step_us
     if g:
         row[1] += calls * hot
         row[2] += calls * cold
         row[3] += calls
-    shape = f"{key[0]} b{key[1]} | ({m}, {k}, {n}) | {calls:g}"
+    shape = f"{key[0]} b{key[1]} | {key[2:]} | {calls:g}"
     print(f"{shape} | {step_us:.1f} | {hot:.1f} | {cold:.1f}")
 print("\nms a step | in the step | hot | cold | hot / step")
 for (model, batch), (step, hot, cold, _) in sums.items():

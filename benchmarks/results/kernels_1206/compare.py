@@ -12,7 +12,8 @@ from pathlib import Path
 
 from gtp_wrap.scaling.cluster import load_cluster
 from gtp_wrap.scaling.model import GPT_1P36B, GPT_125M
-from gtp_wrap.scaling.predict import ATTENTION_BACKWARD, LOSS_BYTES, gemm_s, hbm_s
+from gtp_wrap.scaling.precision import COMPUTE_BYTES
+from gtp_wrap.scaling.predict import ATTENTION_BACKWARD, gemm_s, hbm_s, loss_bytes
 
 MODELS = {m.name: m for m in (GPT_125M, GPT_1P36B)}
 
@@ -42,7 +43,7 @@ def main() -> None:
             f"| {a['seconds'] * 1e3:.3f} | {model * 1e3:.3f} | {model / a['seconds']:.2f} |"
         )
     for loss in parts["loss"]:
-        model = hbm_s(cluster, loss["logits"] * LOSS_BYTES)
+        model = hbm_s(cluster, loss["logits"] * loss_bytes(COMPUTE_BYTES))
         print(f"| loss over {loss['logits'] / 1e6:.1f}M bf16 logits | {loss['seconds'] * 1e3:.3f} "
               f"| {model * 1e3:.3f} | {model / loss['seconds']:.2f} |")  # fmt: skip
 
