@@ -30,9 +30,10 @@ What it measures, each with a source line in the JSON:
   The world-1 gtp_blocks step at the smallest batch fits the host time per block
   (`host.block_us`) and is marked a calibration run.
 
-`--refit CALIBRATION.json` measures nothing: it fits the elementwise bytes, the fixed cost per
-layer and `host.block_us` again to the runs the JSON stores, after a change to the cost
-model's counts.
+`--refit CALIBRATION.json` measures nothing: it fits the GEMM rate and cost per GEMM (to the
+GEMM timings it stores), attention's rate and fixed time (to a GPU's attention timings), the
+elementwise bytes, the fixed cost per layer and `host.block_us` again to what the JSON stores,
+after a change to the cost model's counts.
 
 Bound: `--budget-s` (default 280) is checked between parts; whatever would overrun is left
 out and said so. On a GPU machine: `PYTHONPATH=. timeout 300 python benchmarks/calibrate.py
@@ -251,17 +252,11 @@ def measure_gemms(
         for w, _ in pass_order(model, backward=False):
             if w.kind != "embedding":  # (M, K, N) of forward, input and weight gradients
                 shapes |= {(m, w.cols, w.rows), (m, w.rows, w.cols), (w.rows, m, w.cols)}
-    burst = 1 if device.type == "cpu" else 10  # back to back, as in a step: no sync per GEMM
-
-    def gemms(a: torch.Tensor, b: torch.Tensor) -> None:
-        for _ in range(burst):
-            a @ b
-
     samples = []
     for mm, k, n in sorted(shapes):
         a = torch.randn(mm, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = timed(lambda a=a, b=b: gemms(a, b), device, 5) / burst
+        seconds = timed(lambda a=a, b=b: a @ b, device, 5)
         samples.append({"m": mm, "k": k, "n": n, "seconds": seconds})
     return samples
 
@@ -306,7 +301,7 @@ def step_kernels(step: Callable[[], object], device: torch.device) -> tuple[list
     [Note: kernels timed in the step] A GEMM or an attention call timed on its own measures
     something else than the step runs: small ones are set by the host's launch and the sync
     after them (the 125M batch-1 GEMMs read 14-22 µs a call back to back on an H100, 7-15 in
-    its step), and even large ones ran 5-10 % slower than in the step (2026-12-06,
+    its step), and larger ones summed 4-14 % slower a step than in it (2026-12-06,
     `benchmarks/results/gemm_l2_1206`: not the L2, whose cold inputs changed nothing). What the
     cost model predicts is the step, so its GEMM and attention rates are fitted to the step's
     own kernels: the profiler's device time per op and input shapes."""
@@ -348,7 +343,7 @@ def measure_step_kernels(
         shapes, attention_s = step_kernels(step, device)
         gemms += [{"batch": batch, **g} for g in shapes]
         attention.append({"batch": batch, "seconds": attention_s})
-        del net
+        del net, step  # before the next batch's model is built
         torch.cuda.empty_cache()
     return gemms, attention
 
@@ -361,6 +356,11 @@ def fit_attention(model: ModelConfig, samples: list[dict]) -> tuple[float, float
     per_layer_flops = model.seq * model.attention_flops_per_token() * (1 + ATTENTION_BACKWARD)
     rows = [[s["batch"] * per_layer_flops * model.layers, model.layers] for s in samples]
     inv_rate, fixed = nonneg_least_squares(rows, [s["seconds"] for s in samples])
+    if inv_rate <= 0:
+        raise SystemExit(
+            f"calibrate: attention did not take longer at larger batches ({samples}): the "
+            "device's speed moved under the measurement; run again"
+        )
     return 1 / inv_rate / 1e12, fixed * 1e6
 
 

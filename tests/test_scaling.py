@@ -450,3 +450,26 @@ def test_readme_commands_run(tmp_path: Path) -> None:
         assert done.returncode == 0, (argv, done.stderr[-2000:])
         assert done.stdout.strip(), argv
     assert any(tmp_path.rglob("*.png"))
+
+
+def test_gemm_split_k_loss_bytes_and_attentions_halves() -> None:
+    """The model's parts by hand: a GEMM of one output tile on a GPU of 132 SMs splits its sum
+    132 ways (one wave, k/132 each); one of a full wave does not; the loss moves 36 bytes per
+    bf16 logit and 24 per fp32 one; a layer's attention forward and backward add up to
+    `attention_layer_s`, its fixed time included."""
+    from gtp_wrap.scaling.predict import attention_layer_s, gemm_s, layer_costs, loss_bytes
+
+    compute = dataclasses.replace(H200.compute, gemm_tflops=1.0, gemm_overhead_us=0.0)
+    cluster = dataclasses.replace(H200, compute=compute)
+    tile = 2.0 * 128 * 256 * 1e-12  # seconds per unit of k for one tile at 1 TFLOP/s
+    assert compute.gemm_units == 132
+    assert gemm_s(cluster, 128, 256, 1320) == pytest.approx(132 * tile * 1320 / 132)
+    assert gemm_s(cluster, 128 * 132, 256, 64) == pytest.approx(132 * tile * 64)
+    assert gemm_s(cluster, 0, 256, 64) == 0.0
+    assert (loss_bytes(2), loss_bytes(4)) == (36.0, 24.0)
+    plan = Plan(GPT_1P36B, H200, Mesh(), batch=2)
+    split = dataclasses.replace(plan.cluster.compute, elementwise_bytes=0.0, layer_overhead_us=0.0)
+    plan = dataclasses.replace(plan, cluster=dataclasses.replace(H200, compute=split))
+    both = layer_costs(plan, 0, False) + layer_costs(plan, 0, True)
+    assert both == pytest.approx(attention_layer_s(plan.cluster, GPT_1P36B, plan.tokens))
+    assert H200.compute.attention_layer_us > 0

@@ -52,7 +52,7 @@ class Link:
 class Compute:
     """Device rates: GEMMs at `gemm_tflops` when every one of `gemm_units` (SMs; 1 on a CPU
     core) runs full output tiles of `gemm_tile_m x gemm_tile_n`, in whole waves of tiles (a
-    GEMM too small to fill the device wastes the rest of its wave), plus `gemm_overhead_us`
+    GEMM with fewer tiles than units splits its sum among them, split-K), plus `gemm_overhead_us`
     each; attention at `attention_tflops` (of the FLOPs `ModelConfig` counts) plus
     `attention_layer_us` per layer, forward and backward (its kernels' fixed time); memory-bound
     kernels at `hbm_gbs`; a layer's elementwise work (norms, rotary, SwiGLU, residuals,

@@ -157,6 +157,8 @@ def gemm_s(cluster: Cluster, m: float, n: float, k: float) -> float:
     gradient's small output and long sum: one wave of tiles, each summing a share of `k`."""
     c = cluster.compute
     tiles = math.ceil(m / c.gemm_tile_m) * math.ceil(n / c.gemm_tile_n)
+    if tiles == 0:  # an empty product (no tokens on this rank)
+        return 0.0
     split = max(1, c.gemm_units // tiles)
     waves = math.ceil(tiles * split / c.gemm_units)
     flops = 2.0 * waves * c.gemm_units * c.gemm_tile_m * c.gemm_tile_n * k / split
@@ -195,7 +197,8 @@ def loss_bytes(compute_bytes: float) -> float:
     (8); nll_loss's backward writes a zeroed fp32 gradient (4), which log-softmax's backward
     reads beside its output to write its own (12); narrower logits are copied to fp32 first
     and their gradient cast back (read and write each way). bf16: 36 bytes, in the kernels of
-    an H100 step (`benchmarks/RESULTS.md`, 2026-12-06) about 1.0 ms per 65.5M logits."""
+    an H100 step (`benchmarks/RESULTS.md`, 2026-12-06) about 1.0 ms per 65.5M logits. As the
+    benchmarks and calibrate.py compute it, on logits cast to fp32 (`.float()`)."""
     casts = 2 * (compute_bytes + 4.0) if compute_bytes < 4.0 else 0.0
     return 24.0 + casts
 

@@ -107,6 +107,7 @@ def main() -> None:
             "hbm_gbs": scaled(c["hbm_gbs"], GB200["hbm_gbs"], H200["hbm_gbs"], "HBM3e bandwidth"),
             "elementwise_bytes": c["elementwise_bytes"],
             "layer_overhead_us": c["layer_overhead_us"],
+            "attention_layer_us": c["attention_layer_us"],
             **{k: c[k] for k in ("fp8_decode_us", "nvfp4_decode_us")},
             **{
                 k: {

@@ -170,22 +170,27 @@ FLOORS = [(GPT_125M, "125M", 1), (GPT_125M, "125M", 8), (GPT_1P36B, "1.36B", 1),
 def floor_kernels(name: str, batch: int) -> tuple[float, float, float]:
     """(GEMMs, attention, the rest) of the world-1 floor step at `name` and `batch`, ms, from
     its profile's summary. Profiles of that day counted cuDNN's attention kernels among the
-    GEMMs (their names match "sm90_", benchmarks/trace_events.py): the attention kernels the
-    summary lists by name are taken out of the GEMMs' time (its small cudnn::fusion kernels, in
-    the rest, are listed only where they are among the 25 longest)."""
+    GEMMs (their names match "sm90_", benchmarks/trace_events.py): those, listed among each
+    step's 25 longest kernels at every point, are taken out of the GEMMs' time and are
+    attention's here. Its small cudnn::fusion kernels (about 10 % of attention on an H100)
+    are listed at some points only, so they stay in the rest everywhere, which the elementwise
+    bytes and the small kernels per layer take."""
     trace = load(KERNELS.format(name, batch).removeprefix("results/"))["trace"]
-    listed = [k for k in trace["top_kernels_per_step"] if is_attention(k["name"])]
-    in_gemms = sum(k["ms"] for k in listed if gemm_named(k["name"]))
-    attention = sum(k["ms"] for k in listed)
+    sdpa = sum(
+        k["ms"]
+        for k in trace["top_kernels_per_step"]
+        if is_attention(k["name"]) and gemm_named(k["name"])
+    )
     ms = trace["per_step_ms"]
-    gemm = ms["gemm"] - in_gemms
-    return gemm, attention, ms["compute_stream_busy"] - gemm - attention
+    gemm = ms["gemm"] - sdpa
+    return gemm, sdpa, ms["compute_stream_busy"] - gemm - sdpa
 
 
 def fit(raw: dict) -> dict:
-    """GEMM rate and overhead, attention's rate and fixed time per layer, elementwise bytes
-    from the world-1 floor's kernels at 125M and 1.36B, batch 1 and 8 (2026-12-06), and the
-    layer overhead from the graphed floor at 125M batch 1."""
+    """GEMM rate and overhead, attention's rate and fixed time per layer from the world-1
+    floor's kernels at 125M and 1.36B, batch 1 and 8 (2026-12-06), the elementwise bytes from
+    the 1.36B ones at batch 1 and 8, and the layer overhead from the graphed floor at 125M
+    batch 1."""
     kernels = {(name, batch): floor_kernels(name, batch) for _, name, batch in FLOORS}
     where = "results/kernels_1206/h200_floor_*.json (125M and 1.36B, batch 1 and 8)"
 
@@ -212,7 +217,9 @@ def fit(raw: dict) -> dict:
         rows.append([model.layers * flops, model.layers])
         ys.append(kernels[(name, batch)][1] * 1e-3)
     inv_rate, fixed = nonneg_least_squares(rows, ys)
-    c["attention_tflops"] = src(1 / inv_rate / 1e12, f"{where}: cuDNN's SDPA kernels (slope)")
+    c["attention_tflops"] = src(
+        1 / inv_rate / 1e12, f"{where}: cuDNN's SDPA kernels, not its small fusion ones (slope)"
+    )
     c["attention_layer_us"] = src(fixed * 1e6, f"{where}: the same fit's intercept per layer")
     # The rest grows by the same per batch: the 1.36B model's, less the loss, is elementwise.
     m = GPT_1P36B

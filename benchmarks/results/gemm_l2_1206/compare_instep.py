@@ -16,7 +16,7 @@ kind = sys.argv[1]
 parts = json.loads((HERE / f"{kind}_cold_parts.json").read_text())
 instep = json.loads((HERE / f"{kind}_instep.json").read_text())
 timed = {(g["model"], g["batch"], g["m"], g["k"], g["n"]): g for g in parts["gemms"]}
-sums: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+sums: dict = defaultdict(lambda: [0.0, 0.0, 0.0])
 print(f"{parts['device']}: µs per call | shape (M, K, N) | calls a step | in the step | hot | cold")
 for r in instep["gemms"]:
     key = (NAMES[r["model"]], r["batch"], r["m"], r["k"], r["n"])
@@ -30,10 +30,9 @@ for r in instep["gemms"]:
     if g:
         row[1] += calls * hot
         row[2] += calls * cold
-        row[3] += calls
-    shape = f"{key[0]} b{key[1]} | {key[2:]} | {calls:g}"
+        shape = f"{key[0]} b{key[1]} | {key[2:]} | {calls:g}"
     print(f"{shape} | {step_us:.1f} | {hot:.1f} | {cold:.1f}")
 print("\nms a step | in the step | hot | cold | hot / step")
-for (model, batch), (step, hot, cold, _) in sums.items():
+for (model, batch), (step, hot, cold) in sums.items():
     ms = " | ".join(f"{v / 1e3:.2f}" for v in (step, hot, cold))
     print(f"{model} b{batch} | {ms} | {hot / step:.3f}")

@@ -13,7 +13,7 @@ from pathlib import Path
 from gtp_wrap.scaling.cluster import load_cluster
 from gtp_wrap.scaling.model import GPT_1P36B, GPT_125M
 from gtp_wrap.scaling.precision import COMPUTE_BYTES
-from gtp_wrap.scaling.predict import ATTENTION_BACKWARD, gemm_s, hbm_s, loss_bytes
+from gtp_wrap.scaling.predict import attention_layer_s, gemm_s, hbm_s, loss_bytes
 
 MODELS = {m.name: m for m in (GPT_125M, GPT_1P36B)}
 
@@ -36,8 +36,7 @@ def main() -> None:
         )
     for a in parts["attention"]:
         m = MODELS[a["model"]]
-        flops = a["batch"] * m.seq * m.attention_flops_per_token() * (1 + ATTENTION_BACKWARD)
-        model = flops / (cluster.compute.attention_tflops * 1e12)
+        model = attention_layer_s(cluster, m, a["batch"] * m.seq)
         print(
             f"| SDPA fwd+bwd, {a['heads']} heads of {a['head_dim']}, batch {a['batch']} "
             f"| {a['seconds'] * 1e3:.3f} | {model * 1e3:.3f} | {model / a['seconds']:.2f} |"

@@ -19,7 +19,7 @@ phases phases_w1_125M_b1 100 4 125M 1 floor gtp_blocks gtp fsdp2
 phases phases_w1_125M_b8 80 2 125M 8 floor gtp_blocks gtp
 phases phases_w1_1.36B_b4 100 2 1.36B 4 floor gtp_blocks
 X="--fake-world 2" phases phases_f2_125M_b1 120 3 125M 1 floor gtp_blocks gtp fsdp2
-for i in 1 2 3; do
+for i in 1 2 3; do  # stdout only: this call's readings are in host_layer_us.txt
   timeout 90 python3 -c '
 import sys, torch; sys.path.insert(0, "benchmarks")
 import calibrate
