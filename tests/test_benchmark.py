@@ -251,6 +251,16 @@ def test_calibrate_refit_reproduces_what_the_run_fitted(tmp_path: Path) -> None:
     assert again == refit  # the same values, and each source's note once
 
 
+def _refitted(raw: dict, tmp_path: Path) -> dict:
+    """`raw` as `calibrate.py --refit` writes it back."""
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(raw))
+    cmd = [sys.executable, str(ROOT / "benchmarks/calibrate.py"), "--refit", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(path.read_text())
+
+
 def test_calibrate_refit_fits_the_gemm_rate_to_stored_gemm_timings(tmp_path: Path) -> None:
     """With `gemm_samples` stored (calibrate.py keeps every GEMM it timed), `--refit` fits the
     GEMM rate and cost per GEMM again: timings the wave model gives at 500 GFLOP/s and 7 µs a
@@ -265,12 +275,7 @@ def test_calibrate_refit_fits_the_gemm_rate_to_stored_gemm_timings(tmp_path: Pat
     raw["gemm_samples"] = [
         {"m": m, "k": k, "n": n, "seconds": gemm_s(cluster, m, n, k)} for m, k, n in shapes
     ]
-    path = tmp_path / "cpu.json"
-    path.write_text(json.dumps(raw))
-    cmd = [sys.executable, str(ROOT / "benchmarks/calibrate.py"), "--refit", str(path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    compute = json.loads(path.read_text())["compute"]
+    compute = _refitted(raw, tmp_path)["compute"]
     assert compute["gemm_tflops"]["value"] == pytest.approx(0.5, rel=1e-4)
     assert compute["gemm_overhead_us"]["value"] == pytest.approx(7.0, rel=1e-4)
 
@@ -322,12 +327,7 @@ def test_calibrate_refit_fits_attention_to_stored_attention_timings(tmp_path: Pa
         for b in (1, 8)
     ]
     raw["compute"]["attention_layer_us"] = {"value": 0.0, "source": "a test"}
-    path = tmp_path / "cpu.json"
-    path.write_text(json.dumps(raw))
-    cmd = [sys.executable, str(ROOT / "benchmarks/calibrate.py"), "--refit", str(path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    compute = json.loads(path.read_text())["compute"]
+    compute = _refitted(raw, tmp_path)["compute"]
     assert compute["attention_tflops"]["value"] == pytest.approx(300.0, rel=1e-4)
     assert compute["attention_layer_us"]["value"] == pytest.approx(50.0, rel=1e-4)
 
