@@ -170,6 +170,40 @@ def test_step_phases_times_each_phase_and_the_engines_functions(tmp_path: Path) 
     assert "| BlockWeights.backward |" in proc.stdout
 
 
+def test_paired_steps_ratios_are_medians_of_each_cycles_two_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Methods take turns a step at a time; a ratio is the median, over the cycles, of a
+    method's step over the reference's step of the same cycle, inside its interval, and the
+    JSON reads as stored runs for `gtp-plan validate`."""
+    out = tmp_path / "paired.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/paired_steps.py"), "--cycles", "7",
+           "--warmup", "2", "--methods", "floor", "gtp_blocks", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    steps = result["steps_ms"]
+    assert [len(steps[m]) for m in ("floor", "gtp_blocks")] == [7, 7]
+    per_cycle = sorted(b / f for b, f in zip(steps["gtp_blocks"], steps["floor"], strict=True))
+    ratio = result["ratios"]["gtp_blocks"]
+    assert ratio["median"] == pytest.approx(per_cycle[3])
+    assert ratio["low"] <= ratio["median"] <= ratio["high"]
+    assert result["ms"]["floor"]["step"] == pytest.approx(sorted(steps["floor"])[3])
+    stored_runs = _benchmark_module("stored_runs")
+    monkeypatch.setitem(stored_runs.MODELS, "tiny", "tiny")  # the cost model knows 125M and up
+    runs = stored_runs.phases_runs(out)
+    assert [(r["method"], r["measured_ms"]) for r in runs] == [
+        (m, round(result["ms"][m]["step"], 2)) for m in ("floor", "gtp_blocks")
+    ]
+
+
+def test_median_interval_takes_order_statistics_two_binomial_deviations_out() -> None:
+    median_interval = _benchmark_module("paired_steps").median_interval
+    # 100 values: the median 50.5; ranks 50 -/+ 9.8 give the 41st and 61st smallest.
+    assert median_interval([float(v) for v in range(100, 0, -1)]) == (50.5, 41.0, 61.0)
+    assert median_interval([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+
+
 def test_step_phases_in_a_faked_world_runs_the_engines_gathers(tmp_path: Path) -> None:
     """--fake-world 2: the world-of-two path on one device, collectives faked: every sharded
     weight of the tiny GPT (5 per block, 12 blocks, the embedding and head, 62 in all) is

@@ -1,0 +1,138 @@
+"""Step-time ratios that a drifting host cannot move: methods take turns one step at a time.
+
+    python benchmarks/paired_steps.py                                  # CPU, a tiny GPT
+    torchrun --nproc_per_node 1 benchmarks/paired_steps.py --model 125M --batch 1 \
+        --methods floor gtp_blocks gtp --fused-adamw --cycles 200
+
+bench_step.py's methods (floor, gtp_blocks, gtp, the compiled ones, ...) on bench_step.py's model
+and step, at a world of one, all built before the first step. After `--warmup` steps each, the
+methods take turns: a cycle runs one step of every method (every other cycle in reverse order),
+each step timed between two device synchronizations. A method's ratio to the first method is
+the median, over the cycles, of its step divided by the first method's step of the same cycle,
+with a distribution-free 95 % interval of that median (order statistics of the binomial).
+
+Note: why one step at a time. An eager step at batch 1 is host-bound, and the hosts of the GPU
+machine change speed within a call: bench_step.py's and step_phases.py's rounds (a method's
+steps run back to back, then the next method's) read gtp_blocks / floor 1.43, 1.44, 1.19 and
+1.01 round by round in one call (RESULTS.md, 2026-12-06), each round a few hundred milliseconds
+per method. Steps of two methods a few milliseconds apart run on the host at the same speed,
+so the ratio of a cycle's two steps is the engine's cost, and the median over many cycles
+leaves out the cycles a neighbour's burst hit.
+
+The JSON has step_phases.py's layout (`ms[method]["step"]`, the median step; `host_probe_ms`,
+the probe before and after the cycles, see host_probe.py), so `stored_runs.phases_runs` reads
+it for `gtp-plan validate`, and `ratios` besides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_step import METHODS, _build, _sync, batch_of, method_step
+from host_probe import HostProbe
+from step_phases import MODELS
+
+from gtp_wrap.app.launch import launch
+
+
+def median_interval(values: list[float]) -> tuple[float, float, float]:
+    """(median, low, high): the median of `values` and a 95 % interval of it from their order
+    statistics (normal approximation of the binomial; the whole range below 6 values)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    half = 0.98 * math.sqrt(n)  # 1.96 standard deviations of Binomial(n, 1/2)
+    low = max(0, math.floor(n / 2 - half))
+    high = min(n - 1, math.ceil(n / 2 + half))
+    return statistics.median(ordered), ordered[low], ordered[high]
+
+
+def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Every method's step times, cycle by cycle, and each method's ratios to the first."""
+    cfg = MODELS[args.model]
+    idx = batch_of(cfg, args.batch, args.seq, device)
+    steps = {}
+    for method in args.methods:
+        model, optim, autocast = _build(method, cfg, device, 1, {}, args.fused_adamw)
+        steps[method] = method_step(method, model, optim, autocast, idx, args.warmup)
+        for _ in range(args.warmup):
+            steps[method]()
+    _sync(device)
+    times: dict[str, list[float]] = {m: [] for m in args.methods}
+    for cycle in range(args.cycles):
+        for method in args.methods[:: -1 if cycle % 2 else 1]:
+            _sync(device)
+            began = time.perf_counter()
+            steps[method]()
+            _sync(device)
+            times[method].append(1e3 * (time.perf_counter() - began))
+    first = args.methods[0]
+    ratios = {
+        m: median_interval([t / r for t, r in zip(times[m], times[first], strict=True)])
+        for m in args.methods[1:]
+    }
+    return {
+        "ms": {m: {"step": statistics.median(t)} for m, t in times.items()},
+        "ratios": {m: {"median": r[0], "low": r[1], "high": r[2]} for m, r in ratios.items()},
+        "reference": first,
+        "steps_ms": times,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """A line per method: its median step and its ratio to the reference with the interval."""
+    lines = [f"| method | median step, ms | / {result['reference']} (95 % interval) |",
+             "|---|---|---|"]  # fmt: skip
+    for method, ms in result["ms"].items():
+        r = result["ratios"].get(method)
+        ratio = f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f})" if r else ""
+        lines.append(f"| {method} | {ms['step']:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _rank(device: torch.device, args: argparse.Namespace) -> None:
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the host's own time, not intra-op threads'
+    probe = HostProbe(device)
+    before = probe()
+    measured = measure(args, device)
+    host_probe_ms = statistics.mean([before, probe()])
+    result = {"command": {k: str(v) for k, v in vars(args).items()}, "device": str(device),
+              "world": 1, "host_probe_ms": host_probe_ms, **measured}  # fmt: skip
+    print(table(result))
+    print(f"host_probe_ms {result['host_probe_ms']:.3f}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=None, help="default: 16 for tiny, else 2048")
+    ap.add_argument("--methods", nargs="+", default=["floor", "gtp_blocks", "gtp"],
+                    choices=[m for m in METHODS if m != "ddp"],
+                    help="the first is the reference of the ratios")  # fmt: skip
+    ap.add_argument("--cycles", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--fused-adamw", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    args.seq = args.seq or (16 if args.model == "tiny" else 2048)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    launch(_rank, 1, args, cpu=not torch.cuda.is_available())
+
+
+if __name__ == "__main__":
+    main()
