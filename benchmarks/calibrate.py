@@ -14,8 +14,9 @@ What it measures, each with a source line in the JSON:
   the fixed cost per layer (intercept: host time on a CPU; on a GPU small kernels, fitted to
   steps captured in a CUDA graph, so that the host's launches are not in them: the eager
   steps are kept as held-out runs);
-- host: on a GPU, the host's time per layer of the plain model (its eager step at 32 tokens,
-  which the launches set, against the same model with half its layers); GTP's time per
+- host: on a GPU, the host's time per layer and per block on gathered weights, fitted to the
+  125M model's floor and gtp_blocks steps at batch 1, which the host sets, taking turns with
+  the host probe (see [Note: the host's time, fitted to host-bound steps]); GTP's time per
   weight use at world 1 (16 small Linears wrapped and not, as benchmarks/host_overhead.py),
   and at world 2: on gloo the rank's own CPU time, which leaves out its waits for the peer
   (the model's collectives take those); on 2+ GPUs on NCCL's ranks, on one GPU in a faked
@@ -27,12 +28,13 @@ What it measures, each with a source line in the JSON:
 - unless `--no-steps`, training steps of the model at each world and batch, stored as
   held-out runs for `gtp-plan validate`: GTP's on CPU, per use and with its blocks on gathered
   weights (gtp_blocks); bench_step's floor, floor_graph, gtp, gtp_graph and gtp_blocks on GPUs.
-  The world-1 gtp_blocks step at the smallest batch fits the host time per block
+  On a CPU the world-1 gtp_blocks step at the smallest batch fits the host time per block
   (`host.block_us`) and is marked a calibration run.
 
 `--refit CALIBRATION.json` measures nothing: it fits the GEMM rate and cost per GEMM (to the
 GEMM timings it stores), attention's rate and fixed time (to a GPU's attention timings), the
-elementwise bytes, the fixed cost per layer and `host.block_us` again to what the JSON stores,
+elementwise bytes, the fixed cost per layer and the host's (`host.layer_us` where a GPU's
+host-bound steps fitted it, `host.block_us`) again to what the JSON stores,
 after a change to the cost model's counts.
 
 Bound: `--budget-s` (default 280) is checked between parts; whatever would overrun is left
@@ -450,30 +452,42 @@ def plain_step(
     return timed_probed(step, probe, device, 7 if device.type == "cpu" else 10)
 
 
-def host_layer_us(
-    model: ModelConfig, device: torch.device, dtype: torch.dtype, probe: Callable[[], object]
-) -> tuple[float, float]:
-    """(µs of host time per layer of an eager forward and backward, the device's share of
-    those steps) on a GPU: the plain model at 32 tokens, whose kernels take a small part of
-    the time the host takes to launch them, so its eager step is the host's time (its graphed
-    replay says how small that part is). Per layer: the slope between the model and the same
-    model with half its layers, which leaves out what a step does once (the embedding, the
-    head, the loss, clearing the gradients), as the model charges that to `host.step_us`.
-    The two models' steps are timed in turn, fastest of 20 each, so that both minima come from
-    the same minutes of the host: timed one model after the other, one H100 host read 3200
-    µs per layer and, two minutes later, 2079 (2026-12-06 06:29 and 06:31)."""
-    half = dataclasses.replace(model, layers=max(1, model.layers // 2))
-    steps = [_plain_model(m, 1, device, dtype, seq=32)[2] for m in (half, model)]
-    full_s, half_s = timed_probed(steps[1], steps[0], device, 20)
-    graphed = plain_step(model, 1, device, dtype, probe, graphed=True, seq=32)[0]
-    per_layer = (full_s - half_s) / (model.layers - half.layers)
-    if per_layer <= 0:
-        raise SystemExit(
-            f"calibrate: the eager step at {model.layers} layers ({full_s * 1e3:.2f} ms) was "
-            f"not longer than at {half.layers} ({half_s * 1e3:.2f} ms): the host's speed "
-            "moved under the measurement; run again"
-        )
-    return per_layer * 1e6, graphed / full_s
+# [Note: the host's time, fitted to host-bound steps] An eager step at batch 1 is host-bound:
+# it takes as long as the host takes to launch it. The host's part of the model (its time per
+# layer, `host.layer_us`, and per block on gathered weights, `host.block_us`) is fitted to such
+# steps, the 125M model's floor and gtp_blocks at batch 1, with the gtp step beside them held
+# out, all three taking turns a step at a time with the host probe (paired_steps.py), so that
+# the fit and the probe that scales it to other hosts see the host at one speed. Before, the
+# time per layer was a slope between the plain model and its half at 32 tokens, timed on its
+# own: one H100 host read it at 3200 µs and, two minutes later, 2079 (2026-12-06 06:29 and
+# 06:31), and its block time, fitted to the 1.36B step, which the device covers at batch 1,
+# read 32 µs where the paired steps say some 500 (RESULTS.md, 2026-12-06).
+HOST_FIT = {"floor": "layer_us", "gtp_blocks": "block_us"}  # method: what its step fits
+HOST_CYCLES = 60
+
+
+def measure_host_steps(device: torch.device, here: str) -> tuple[list[dict], float]:
+    """(the runs, the host probe's median in their cycles, ms): the 125M model's floor,
+    gtp_blocks and gtp steps at batch 1 taking turns with the host probe, on a GPU (see
+    [Note: the host's time, fitted to host-bound steps]); the first two marked with what they
+    fit (`"fits"`)."""
+    import bench_step  # benchmarks/, beside this script
+    from host_probe import HostProbe
+    from paired_steps import paired
+
+    methods = [*HOST_FIT, "gtp"]
+    measured = paired(device, bench_step.MODELS["125M"], batch=1, seq=2048, methods=methods,
+                      cycles=HOST_CYCLES, probe=HostProbe(device))  # fmt: skip
+    probe_ms = measured["host_probe_ms"]
+    where = f"{here}: paired_steps.py, {HOST_CYCLES} cycles"
+    runs = [
+        {"model": "gpt_125m", "batch": 1, "seq": 2048, "mesh": "", "method": m,
+         "measured_ms": round(measured["ms"][m]["step"], 3), "host_probe_ms": round(probe_ms, 3),
+         "source": where, "calibration": False,
+         **({"fits": HOST_FIT[m]} if m in HOST_FIT else {})}
+        for m in methods
+    ]  # fmt: skip
+    return runs, probe_ms
 
 
 def fit_layers(
@@ -582,11 +596,9 @@ def refit(raw: dict, by: str) -> None:
     part, key = layer_fit_place(graphed)
     for where, value in ((("compute", "elementwise_bytes"), per_byte), ((part, key), per_layer)):
         store(*where, value, raw[where[0]][where[1]]["source"])
-    fitted = [r for r in raw["runs"] if r["method"] == "gtp_blocks" and r.get("calibration")]
-    if fitted:  # its source is the calibration's own, as `runs_of` wrote it
-        fit_block_us(raw, here=fitted[0]["source"])
-        block = raw["host"]["block_us"]
-        store("host", "block_us", block["value"], block["source"])
+    sources = {key: raw["host"][key]["source"] for key in ("layer_us", "block_us")}
+    for key, (value, _) in fit_host(raw).items():
+        store("host", key, value, sources[key])
 
 
 def measure_use_us(device: torch.device, policy: dict | None = None) -> float:
@@ -907,20 +919,15 @@ def main(argv: list[str] | None = None) -> None:
     part, key = layer_fit_place(graphed=cuda)
     raw[part][key] = src(per_layer, f"{here}: the same fit's intercept per layer")
     h = raw["host"]
-    if cuda:  # the host runs ahead of the device: its launches per layer timed apart
-        layer_us, device_share = host_layer_us(model, device, dtype, loop)
-        h["layer_us"] = src(
-            layer_us,
-            f"{here}: the plain model's eager step at 32 tokens, batch 1, per layer (the "
-            f"slope from half its layers; its graphed replay took {device_share:.0%} of it)",
-        )
+    host_runs: list[dict] = []
+    if cuda:  # [Note: the host's time, fitted to host-bound steps]
+        print("calibrate: host-bound steps, taking turns with the host probe", flush=True)
+        host_runs, probe_ms = measure_host_steps(device, here)
+        raw["host_probe_ms"] = src(probe_ms, f"{here}: benchmarks/host_probe.py, in the "
+                                   "host-bound steps' cycles")  # fmt: skip
     print("calibrate: host time per use", flush=True)
     local = measure_use_us(device, {} if not cuda else {"param_dtype": "bfloat16"})
     h["use_us_local"] = src(local, f"{here}: 16 Linear(64, 64) wrapped or not, world 1")
-    if cuda:  # the host these host costs were measured on, for runs elsewhere to scale by
-        from host_probe import HostProbe
-
-        raw["host_probe_ms"] = src(HostProbe(device)(), f"{here}: benchmarks/host_probe.py")
     h["step_us"] = src(0.0 if not cuda else 1000, "not measured: the loss and optimizer launch")
     h["graph_step_us"] = src(50, "estimate: one CUDA graph replay launch")
     h["fsdp2_block_us"] = src(2000, "../shared/GPU.md: FSDP2 adds ~2 ms per module group")
@@ -997,8 +1004,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if link:
         raw["links"] = {"intra": link, "inter": link}
-    raw["runs"] = runs_of(model, plain_runs, step_runs, cuda, here)
-    fit_block_us(raw, here)
+    raw["runs"] = runs_of(model, plain_runs, step_runs, cuda, here) + host_runs
+    mark_block_fit(raw["runs"])
+    for key, (value, what) in fit_host(raw).items():
+        raw["host"][key] = src(value, f"{here}: {what}")
     raw["skipped"] = budget.skipped
     if hasattr(os, "getloadavg"):  # the neighbours' load while this ran (CPU figures move with it)
         raw["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -1007,26 +1016,52 @@ def main(argv: list[str] | None = None) -> None:
     print(f"calibrate: wrote {args.out} ({len(raw['runs'])} runs; skipped: {budget.skipped})")
 
 
-def fit_block_us(raw: dict, here: str) -> None:
-    """The host time per block on gathered weights and step (`host.block_us`), bisected to
-    the world-1 gtp_blocks step at the smallest batch, which becomes a calibration run."""
-    runs = [r for r in raw["runs"] if r["method"] == "gtp_blocks" and not r["mesh"]]
-    if not runs:
-        return
-    run = min(runs, key=lambda r: r["batch"])
-    lo, hi = 0.0, 1e5
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        raw["host"]["block_us"] = mid
-        predicted = predicted_ms(cluster_from_dict(raw, "block_us"), run)
-        lo, hi = (mid, hi) if predicted < run["measured_ms"] else (lo, mid)
-    # At the bound the step was shorter than the model has it with no block cost at all: the
-    # rest of the model overestimates it (the README's CPU validation says by how much).
-    bound = " at its bound of 0" if lo < 1e-6 else ""
-    raw["host"]["block_us"] = src(
-        lo, f"{here}: the world-1 batch-{run['batch']} gtp_blocks step (fit{bound})"
-    )
-    run["calibration"] = True
+def fit_host(raw: dict) -> dict[str, tuple[float, str]]:
+    """The host's time per layer and per block on gathered weights (`host.layer_us`,
+    `host.block_us`), each bisected to the run marked as fitting it (`"fits"`), which becomes a
+    calibration run: {key: (µs, what it was fitted to)}, the values left in `raw["host"]` for
+    the caller to give a source. On a GPU both fit the host-bound steps of
+    `measure_host_steps`; on a CPU, whose time per layer the elementwise fit gives, the block
+    time fits the world-1 gtp_blocks step at the smallest batch (`mark_block_fit`). A
+    calibration made before 2026-12-06 marked that step a calibration run instead."""
+    fitted = {}
+    for key in ("layer_us", "block_us"):
+        run = _host_fit_run(raw["runs"], key)
+        if run is None:
+            continue
+        lo, hi = 0.0, 1e5
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            raw["host"][key] = mid
+            predicted = predicted_ms(cluster_from_dict(raw, key), run)
+            lo, hi = (mid, hi) if predicted < run["measured_ms"] else (lo, mid)
+        # At the bound the step was shorter than the model has it with none of this cost:
+        # the rest of the model overestimates it (the README's CPU validation says by how much).
+        bound = " at its bound of 0" if lo < 1e-6 else ""
+        model = run["model"] if isinstance(run["model"], str) else run["model"]["name"]
+        fitted[key] = (
+            lo,
+            f"the world-1 batch-{run['batch']} {model} {run['method']} step (fit{bound})",
+        )
+        raw["host"][key] = lo
+        run["calibration"] = True
+    return fitted
+
+
+def _host_fit_run(runs: list[dict], key: str) -> dict | None:
+    """The run `host.<key>` is fitted to, or None (see `fit_host`)."""
+    marked = [r for r in runs if r.get("fits") == key]
+    if not marked and key == "block_us":  # a calibration made before 2026-12-06
+        marked = [r for r in runs if r["method"] == "gtp_blocks" and r.get("calibration")]
+    return marked[0] if marked else None
+
+
+def mark_block_fit(runs: list[dict]) -> None:
+    """Mark the world-1 gtp_blocks step at the smallest batch as the one `host.block_us`
+    fits, where no run is marked for it yet."""
+    blocks = [r for r in runs if r["method"] == "gtp_blocks" and not r["mesh"]]
+    if blocks and _host_fit_run(runs, "block_us") is None:
+        min(blocks, key=lambda r: r["batch"])["fits"] = "block_us"
 
 
 def measure_use_us_world2(budget: Budget, cpu: bool, policy: dict | None = None) -> float:
@@ -1067,7 +1102,7 @@ def runs_of(
 ) -> list[dict]:
     """The measured steps as runs for `gtp-plan validate`: the plain model's (calibration:
     the elementwise and per-layer fit, as `fit_layers` marks them: on a GPU its graphed steps,
-    the eager ones held out) and GTP's (held out; `fit_block_us` marks the one it fits to)."""
+    the eager ones held out) and GTP's (held out; `fit_host` marks the ones it fits to)."""
     spec = dataclasses.asdict(model)
     gather = {} if cuda else {"gather": "fp32"}
     out = []

@@ -48,19 +48,20 @@ class HostProbe:
         self.model.zero_grad(set_to_none=True)
 
     def __call__(self) -> float:
-        """Milliseconds per step of the workload: the median of `REPS` runs of `STEPS` steps,
-        the device synchronized around each run. A median, as bench_step's steps are: a
-        host shared with busy neighbours slows every step it runs, and the fastest run would
-        catch the moments the neighbours left it alone."""
-        runs = []
-        for _ in range(REPS):
-            self._sync()
-            began = time.perf_counter()
-            for _ in range(STEPS):
-                self._step()
-            self._sync()
-            runs.append((time.perf_counter() - began) / STEPS)
-        return statistics.median(runs) * 1e3
+        """Milliseconds per step of the workload: the median of `REPS` runs (`run`). A median,
+        as bench_step's steps are: a host shared with busy neighbours slows every step it runs,
+        and the fastest run would catch the moments the neighbours left it alone."""
+        return statistics.median(self.run() for _ in range(REPS))
+
+    def run(self) -> float:
+        """Milliseconds per step of one run of `STEPS` steps, the device synchronized around
+        it: what paired_steps.py times in each cycle, beside the methods' steps."""
+        self._sync()
+        began = time.perf_counter()
+        for _ in range(STEPS):
+            self._step()
+        self._sync()
+        return (time.perf_counter() - began) / STEPS * 1e3
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

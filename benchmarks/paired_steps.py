@@ -19,9 +19,12 @@ per method. Steps of two methods a few milliseconds apart run on the host at the
 so the ratio of a cycle's two steps is the engine's cost, and the median over many cycles
 leaves out the cycles a neighbour's burst hit.
 
-The JSON has step_phases.py's layout (`ms[method]["step"]`, the median step; `host_probe_ms`,
-the probe before and after the cycles, see host_probe.py), so `stored_runs.phases_runs` reads
-it for `gtp-plan validate`, and `ratios` besides.
+The host probe (host_probe.py) takes a turn in every cycle too: `host_probe_ms` is the median of
+its runs, the host's speed while the steps ran, which `gtp-plan validate` scales a run's host
+time by (timed before and after a minute of steps instead, the probe put the 125M batch-1 floor
+at 3.8 to 5.2 × its own time over the H100 and H200 calls of 2026-12-03 to 06). The JSON has
+step_phases.py's layout (`ms[method]["step"]`, the median step; `host_probe_ms`), so
+`stored_runs.phases_runs` reads it for `gtp-plan validate`, and `ratios` besides.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from host_probe import HostProbe
 from step_phases import MODELS
 
 from gtp_wrap.app.launch import launch
+from gtp_wrap.app.model import GPTConfig
+
+PROBE = "host probe"  # the probe's turn in a cycle
 
 
 def median_interval(values: list[float]) -> tuple[float, float, float]:
@@ -53,35 +59,52 @@ def median_interval(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(ordered), ordered[low], ordered[high]
 
 
-def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Every method's step times, cycle by cycle, and each method's ratios to the first."""
-    cfg = MODELS[args.model]
-    idx = batch_of(cfg, args.batch, args.seq, device)
+def paired(
+    device: torch.device,
+    cfg: GPTConfig,
+    *,
+    batch: int,
+    seq: int,
+    methods: list[str],
+    cycles: int,
+    warmup: int = 5,
+    fused_adamw: bool = True,
+    probe: HostProbe | None = None,
+) -> dict[str, Any]:
+    """Every method's step times, cycle by cycle, and each method's ratios to the first; with
+    `probe`, one run of the host probe in every cycle too, in turn with the steps
+    (`host_probe_ms`: their median), so that the host's speed is read when the steps ran."""
+    idx = batch_of(cfg, batch, seq, device)
     steps = {}
-    for method in args.methods:
-        model, optim, autocast = _build(method, cfg, device, 1, {}, args.fused_adamw)
-        steps[method] = method_step(method, model, optim, autocast, idx, args.warmup)
-        for _ in range(args.warmup):
+    for method in methods:
+        model, optim, autocast = _build(method, cfg, device, 1, {}, fused_adamw)
+        steps[method] = method_step(method, model, optim, autocast, idx, warmup)
+        for _ in range(warmup):
             steps[method]()
     _sync(device)
-    times: dict[str, list[float]] = {m: [] for m in args.methods}
-    for cycle in range(args.cycles):
-        for method in args.methods[:: -1 if cycle % 2 else 1]:
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    probed: list[float] = []
+    turns = [*methods, PROBE] if probe is not None else methods
+    for cycle in range(cycles):
+        for turn in turns[:: -1 if cycle % 2 else 1]:
+            if turn == PROBE:
+                probed.append(probe.run())  # type: ignore[union-attr]
+                continue
             _sync(device)
             began = time.perf_counter()
-            steps[method]()
+            steps[turn]()
             _sync(device)
-            times[method].append(1e3 * (time.perf_counter() - began))
-    first = args.methods[0]
+            times[turn].append(1e3 * (time.perf_counter() - began))
     ratios = {
-        m: median_interval([t / r for t, r in zip(times[m], times[first], strict=True)])
-        for m in args.methods[1:]
+        m: median_interval([t / r for t, r in zip(times[m], times[methods[0]], strict=True)])
+        for m in methods[1:]
     }
     return {
         "ms": {m: {"step": statistics.median(t)} for m, t in times.items()},
         "ratios": {m: {"median": r[0], "low": r[1], "high": r[2]} for m, r in ratios.items()},
-        "reference": first,
+        "reference": methods[0],
         "steps_ms": times,
+        **({"host_probe_ms": statistics.median(probed), "probe_ms": probed} if probed else {}),
     }
 
 
@@ -99,12 +122,11 @@ def table(result: dict[str, Any]) -> str:
 def _rank(device: torch.device, args: argparse.Namespace) -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)  # the host's own time, not intra-op threads'
-    probe = HostProbe(device)
-    before = probe()
-    measured = measure(args, device)
-    host_probe_ms = statistics.mean([before, probe()])
+    measured = paired(device, MODELS[args.model], batch=args.batch, seq=args.seq,
+                      methods=args.methods, cycles=args.cycles, warmup=args.warmup,
+                      fused_adamw=args.fused_adamw, probe=HostProbe(device))  # fmt: skip
     result = {"command": {k: str(v) for k, v in vars(args).items()}, "device": str(device),
-              "world": 1, "host_probe_ms": host_probe_ms, **measured}  # fmt: skip
+              "world": 1, **measured}  # fmt: skip
     print(table(result))
     print(f"host_probe_ms {result['host_probe_ms']:.3f}")
     if args.out is not None:

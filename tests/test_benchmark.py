@@ -189,6 +189,9 @@ def test_paired_steps_ratios_are_medians_of_each_cycles_two_steps(
     assert ratio["median"] == pytest.approx(per_cycle[3])
     assert ratio["low"] <= ratio["median"] <= ratio["high"]
     assert result["ms"]["floor"]["step"] == pytest.approx(sorted(steps["floor"])[3])
+    # The host probe took a turn in each cycle; its median is the run's host speed.
+    assert len(result["probe_ms"]) == 7
+    assert result["host_probe_ms"] == pytest.approx(sorted(result["probe_ms"])[3])
     stored_runs = _benchmark_module("stored_runs")
     monkeypatch.setitem(stored_runs.MODELS, "tiny", "tiny")  # the cost model knows 125M and up
     runs = stored_runs.phases_runs(out)
