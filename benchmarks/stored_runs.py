@@ -4,12 +4,16 @@ from benchmarks/step_phases.py's JSON, and appended to a cluster's JSON without 
     from stored_runs import add, phases_runs
     add(Path("benchmarks/calibration/h100.json"), phases_runs(Path("phases_w1_125M_b1.json")))
 
-The results folders' add_runs.py scripts use it, one per call that joined a calibration.
+    python benchmarks/stored_runs.py h100 benchmarks/results/paired_1206/eager_*.json
+
+The results folders' add_runs.py scripts use it, one per call that joined a calibration (later
+calls, the command line: the cluster's name, then step_phases.py's or paired_steps.py's JSONs).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 MODELS = {"125M": "gpt_125m", "1.36B": "gpt_1p36b"}  # bench_step.py's names, the model's
@@ -65,3 +69,11 @@ def add(calibration: Path, new: list[dict]) -> None:
     raw["runs"] += added
     calibration.write_text(json.dumps(raw, indent=1) + "\n")
     print(f"added {len(added)} runs to {calibration}")
+
+
+if __name__ == "__main__":
+    name, *paths = sys.argv[1:]
+    add(
+        Path(__file__).parent / "calibration" / f"{name}.json",
+        [r for path in paths for r in phases_runs(Path(path))],
+    )

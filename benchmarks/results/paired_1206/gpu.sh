@@ -2,6 +2,7 @@
 # at a time (paired_steps.py): eager twice, minutes apart, compiled once; then the engine's host
 # time per weight use (host_overhead.py). About 5 minutes.
 #   bash benchmarks/results/paired_1206/gpu.sh
+# Then, here: python benchmarks/stored_runs.py h100 benchmarks/results/paired_1206/eager_*.json
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
