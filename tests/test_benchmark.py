@@ -288,6 +288,32 @@ def test_calibrate_refit_reproduces_what_the_run_fitted(tmp_path: Path) -> None:
     assert again == refit  # the same values, and each source's note once
 
 
+def test_host_fit_reproduces_the_host_bound_steps_it_is_fitted_to() -> None:
+    """On a GPU calibrate.py fits the host's time per layer to the 125M floor at batch 1 and
+    its time per block to gtp_blocks (paired_steps.py's runs, marked with what they fit): the
+    model then predicts both steps as measured, at the probe the runs carry, and gives a
+    slower host's steps proportionally more host time."""
+    cal = _benchmark_module("calibrate")
+    from gtp_wrap.scaling import validate
+    from gtp_wrap.scaling.cluster import cluster_from_dict
+
+    raw = json.loads((ROOT / "benchmarks/calibration/h100.json").read_text())
+    probe = raw["host_probe_ms"]["value"]
+    step = {"model": "gpt_125m", "batch": 1, "seq": 2048, "mesh": "", "host_probe_ms": probe,
+            "source": "test", "calibration": False}  # fmt: skip
+    floor = dict(step, method="floor", measured_ms=30.0, fits="layer_us")
+    blocks = dict(step, method="gtp_blocks", measured_ms=36.0, fits="block_us")
+    raw["runs"] = [floor, blocks]
+    fitted = cal.fit_host(raw)
+    assert set(fitted) == {"layer_us", "block_us"}
+    assert floor["calibration"] and blocks["calibration"]
+    cluster = cluster_from_dict(raw, "test")
+    for run in (floor, blocks):
+        assert validate.predicted_ms(cluster, run) == pytest.approx(run["measured_ms"], rel=1e-4)
+    slower = validate.predicted_ms(cluster, dict(floor, host_probe_ms=2 * probe))
+    assert 1.8 * 30.0 < slower <= 2 * 30.0  # the host's time doubled, the device's not
+
+
 def _refitted(raw: dict, tmp_path: Path) -> dict:
     """`raw` as `calibrate.py --refit` writes it back."""
     path = tmp_path / "cpu.json"
