@@ -170,8 +170,9 @@ def clear_grads(method: str, model: nn.Module, optim: torch.optim.Optimizer) -> 
 
 
 def batch_of(cfg: GPTConfig, batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    """This rank's token batch, `seq + 1` long (inputs and shifted targets), seeded by rank."""
-    g = torch.Generator().manual_seed(dist.get_rank())
+    """This rank's token batch, `seq + 1` long (inputs and shifted targets), seeded by rank
+    (rank 0's without a process group: calibrate.py's steps in its own process)."""
+    g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
     return torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(device)
 
 

@@ -22,6 +22,7 @@ from gtp_wrap.scaling.validate import check, table  # noqa: E402
 OUT = Path(__file__).resolve().parents[2] / "results" / "scaling"
 SEED_GPUS = [128, 256, 512, 1024, 2048, 3072]
 BANDWIDTHS = [3.125 * 2 ** (i / 2) for i in range(17)]  # 3 to 800 GB/s per GPU
+GROUP_MI = [16, 64, 128]  # group_numel in Mi elements: GTPPolicy's default and two larger
 
 
 def validation() -> None:
@@ -134,6 +135,27 @@ def baselines() -> None:
     )
 
 
+def group_sizes() -> None:
+    """The README's case where FSDP2 leads GTP (7B-class Llama shape, batch 1, one replica of
+    64 GPUs across nodes), against GTP's group size: larger groups pay a 64-member ring's
+    latency fewer times."""
+    plan = Plan(llama_like(4096), load_cluster("h200"), Mesh(), batch=1, recompute=True)
+    points = []
+    for mi in GROUP_MI:
+        preds = scale.three_ways(dataclasses.replace(plan, group_numel=mi << 20), 64)
+        del preds["tp"]  # 64 does not divide d=4096's 32 heads: n/a in every row
+        points.append(scale.Point(mi, preds))
+    lines = [
+        f"## GTP64 against FSDP2 by group size: {plan.cfg.name} on h200, batch 1 x "
+        f"{plan.cfg.seq}, one replica of 64 GPUs; GTP graphed, FSDP2 eager, recompute",
+        "",
+        "FSDP2 gathers per block, so group_numel does not change its step.",
+        "",
+        scale.points_table(points, "group_numel (Mi elements)", "by group size"),
+    ]
+    (OUT / "group_size_d4096_gtp64_h200.md").write_text("\n".join(lines) + "\n")
+
+
 def gathers() -> None:
     h = load_cluster("h200")
     cases = [
@@ -190,5 +212,6 @@ if __name__ == "__main__":
     validation()
     seed()
     baselines()
+    group_sizes()
     gathers()
     print(f"wrote {OUT}")
