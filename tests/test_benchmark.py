@@ -200,6 +200,17 @@ def test_paired_steps_ratios_are_medians_of_each_cycles_two_steps(
     ]
 
 
+def test_paired_steps_run_without_a_process_group_as_calibrate_runs_them() -> None:
+    """calibrate.py times its host-bound steps in its own process, with no process group."""
+    ps = _benchmark_module("paired_steps")
+    assert not torch.distributed.is_initialized()
+    result = ps.paired(torch.device("cpu"), ps.MODELS["tiny"], batch=1, seq=16,
+                       methods=["floor", "gtp_blocks"], cycles=3, warmup=1, fused_adamw=False,
+                       probe=None)  # fmt: skip
+    assert [len(result["steps_ms"][m]) for m in ("floor", "gtp_blocks")] == [3, 3]
+    assert result["ratios"]["gtp_blocks"]["median"] > 0
+
+
 def test_median_interval_takes_order_statistics_two_binomial_deviations_out() -> None:
     median_interval = _benchmark_module("paired_steps").median_interval
     # 100 values: the median 50.5; ranks 50 -/+ 9.8 give the 41st and 61st smallest.
