@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import caught, run_ranks
 from torch import nn
 
 import gtp_wrap
@@ -130,11 +130,17 @@ class _ProbeSGD(torch.optim.SGD):
 
 
 def _steps_without_interception(rank: int, world: int) -> dict:
-    """Optimizer steps run with interception off and switch it back on; a step that raises
-    leaves it off only until the next pass opens, which is still exact."""
+    """Optimizer steps switch interception off, and it stays off through zero_grad until the
+    next pass opens, after a step that raised too; training stays exact, and torch's clip is
+    refused again once the next forward ran."""
     model, ref = GTPWrap(_model(), {"min_shard_numel": 0}), _model()
     opt, ref_opt = _ProbeSGD(model.parameters()), torch.optim.SGD(ref.parameters(), lr=0.1)
-    intercepting_after: list[bool] = []
+    intercepting: dict[str, list[bool]] = {"after_step": [], "after_zero_grad": [], "forward": []}
+
+    def on() -> bool:
+        return GTPParameter.__dict__["__torch_function__"] is _INTERCEPT
+
+    model.register_forward_hook(lambda *_: intercepting["forward"].append(on()))
     for i in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
         model(x[rank * 2 : rank * 2 + 2]).square().sum().backward()
@@ -146,20 +152,23 @@ def _steps_without_interception(rank: int, world: int) -> dict:
             ref_opt.zero_grad()
         else:
             ref_opt.step()
-        intercepting_after.append(GTPParameter.__dict__["__torch_function__"] is _INTERCEPT)
+        intercepting["after_step"].append(on())
         opt.zero_grad()
         ref_opt.zero_grad()
+        intercepting["after_zero_grad"].append(on())
     got, full = full_state_dict(model), ref.state_dict()
-    return {
-        "plain": opt.plain,
-        "intercepting_after": intercepting_after,
-        "diff": max((got[k] - full[k]).abs().max().item() for k in full),
-    }
+    diff = max((got[k] - full[k]).abs().max().item() for k in full)
+    model(torch.randn(2, 8)).sum().backward()
+    clip = caught(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    return {"plain": opt.plain, **intercepting, "clip": clip, "diff": diff}
 
 
 def test_optimizer_steps_run_without_interception() -> None:
     for got in run_ranks(_steps_without_interception, 2):
         assert got["plain"] == [True, True, True]
-        # Off after the step that raised, back on once the next forward opened its pass.
-        assert got["intercepting_after"] == [True, False, True]
+        # Off from each step (the one that raised too) through zero_grad, on in every forward.
+        assert got["after_step"] == [False, False, False]
+        assert got["after_zero_grad"] == [False, False, False]
+        assert got["forward"] == [True, True, True, True]
+        assert got["clip"].startswith("WrapError: torch.nn.utils.clip_grad_norm_"), got["clip"]
         assert got["diff"] < 1e-6

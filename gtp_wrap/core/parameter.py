@@ -18,10 +18,7 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map_only
 
 from ..errors import WrapError
@@ -66,8 +63,8 @@ class OpenPasses:
     @classmethod
     def open(cls) -> None:
         cls.count += 1
-        if _OptimizerSteps.entered:  # a step that raised left interception off
-            _OptimizerSteps.entered.clear()
+        if _OptimizerSteps.off:  # see [Note: optimizer steps without interception]
+            _OptimizerSteps.off = False
             GTPParameter.__torch_function__ = _INTERCEPT  # type: ignore[method-assign]
 
     @classmethod
@@ -254,28 +251,29 @@ class _OptimizerSteps:
     of every parameter (`.grad`, `is_complex()`, its state's keys): 345 calls into
     `__torch_function__` per fused AdamW step of a 12-layer GPT, 689 with foreach kernels, each
     a Python call that only finds no pass open (about 1.5 µs each on CPU, 0.5 to 1 ms per step).
-    Torch skips the Python call altogether for a class whose `__torch_function__` is its own
-    disabled implementation, as `nn.Parameter`'s is. So while an optimizer steps outside every
-    pass, GTPParameter's is that implementation: a step touches only shards and gradients,
-    never a use. Global step hooks (registered at the first wrap) switch it off and back; a
-    step that raises skips its post-hook, so the next pass to open switches interception back
-    on before any use (`OpenPasses.open`)."""
+    `zero_grad` reads and sets every `.grad`: 172 calls more. Torch skips the Python call
+    altogether for a class whose `__torch_function__` is its own disabled implementation, as
+    `nn.Parameter`'s is. So a step outside every pass switches GTPParameter's to that
+    implementation, and it stays so until the next pass opens (`OpenPasses.open`): the step,
+    the `zero_grad` after it and whatever else runs before the next forward touch only shards
+    and gradients, never a use. A step that raises leaves it off the same way.
 
-    entered: list[bool] = []  # per step in progress, outermost first: whether it switched off
+    What this gives up: outside passes, interception only refuses two mistakes on weights
+    sharded over more than one rank (torch's clip of the shards' gradients, a module inside
+    a block on gathered weights called on its own). Between a step and the next pass these
+    go unchecked. Both happen in a training loop before the step (clipping), or not at all,
+    and the forward that follows checks them again. An optimizer stepped inside backward
+    (from a gradient hook) leaves interception on: its pass is open.
+    """
+
+    off = False  # whether a step switched interception off and no pass opened since
     registered = False
 
     @staticmethod
     def begin(optimizer: object, args: object, kwargs: object) -> None:
-        off = not OpenPasses.count and _graph_task_id() == -1  # not an optimizer in backward
-        _OptimizerSteps.entered.append(off)
-        if off:
+        if not _OptimizerSteps.off and not OpenPasses.count and _graph_task_id() == -1:
+            _OptimizerSteps.off = True
             GTPParameter.__torch_function__ = _plain  # type: ignore[assignment]
-
-    @staticmethod
-    def end(optimizer: object, args: object, kwargs: object) -> None:
-        entered = _OptimizerSteps.entered
-        if entered and entered.pop() and not any(entered):
-            GTPParameter.__torch_function__ = _INTERCEPT  # type: ignore[method-assign]
 
 
 def register_with_optimizers() -> None:
@@ -296,7 +294,6 @@ def register_with_optimizers() -> None:
     if not _OptimizerSteps.registered:
         _OptimizerSteps.registered = True
         register_optimizer_step_pre_hook(_OptimizerSteps.begin)
-        register_optimizer_step_post_hook(_OptimizerSteps.end)
 
 
 def make_gtp_parameter(
