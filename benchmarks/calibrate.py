@@ -462,29 +462,50 @@ def plain_step(
 # own: one H100 host read it at 3200 µs and, two minutes later, 2079 (2026-12-06 06:29 and
 # 06:31), and its block time, fitted to the 1.36B step, which the device covers at batch 1,
 # read 32 µs where the paired steps say some 500 (RESULTS.md, 2026-12-06).
-HOST_FIT = {"floor": "layer_us", "gtp_blocks": "block_us"}  # method: what its step fits
+# The per-use gtp step and FSDP2's fit the host's time per intercepted use at world 1
+# (`host.use_us_local`) and per FSDP2 module group (`host.fsdp2_block_us`) the same way. Before,
+# a use's time came from 16 Linear(64, 64) (host_overhead.py's loop) and FSDP2's from
+# GPU.md's rough 2 ms, and an H200 call's 125M batch-1 gtp and fsdp2 steps came out 25 and 26 %
+# above their predictions (RESULTS.md, 2026-12-06 20:04): a real model's use costs more than a
+# tiny Linear's. A use in a sharded group (`host.use_us`, timed at world 2 on the same Linears)
+# moves with the world-1 fit by as much: what the group adds, its collectives' launches, is
+# what the Linears measured. The fits run in this order: each step's model takes only the
+# costs fitted before it (gtp_blocks' embedding and head are intercepted uses).
+HOST_FIT = {  # method: what its step fits, in fitting order
+    "floor": "layer_us",
+    "gtp": "use_us_local",
+    "gtp_blocks": "block_us",
+    "fsdp2": "fsdp2_block_us",
+}
 HOST_CYCLES = 60
 
 
 def measure_host_steps(device: torch.device, here: str) -> tuple[list[dict], float]:
     """(the runs, the host probe's median in their cycles, ms): the 125M model's floor,
-    gtp_blocks and gtp steps at batch 1 taking turns with the host probe, on a GPU (see
-    [Note: the host's time, fitted to host-bound steps]); the first two marked with what they
-    fit (`"fits"`)."""
+    gtp, gtp_blocks and fsdp2 steps at batch 1 taking turns with the host probe, on a GPU (see
+    [Note: the host's time, fitted to host-bound steps]), each marked with what it fits
+    (`"fits"`). FSDP2 takes a process group: one of this process alone, for these steps."""
     import bench_step  # benchmarks/, beside this script
     from host_probe import HostProbe
     from paired_steps import paired
 
-    methods = [*HOST_FIT, "gtp"]
-    measured = paired(device, bench_step.MODELS["125M"], batch=1, seq=2048, methods=methods,
-                      cycles=HOST_CYCLES, probe=HostProbe(device))  # fmt: skip
+    methods = list(HOST_FIT)
+    alone = not dist.is_initialized()
+    if alone:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        measured = paired(device, bench_step.MODELS["125M"], batch=1, seq=2048,
+                          methods=methods, cycles=HOST_CYCLES, probe=HostProbe(device))  # fmt: skip
+    finally:
+        if alone:
+            dist.destroy_process_group()
     probe_ms = measured["host_probe_ms"]
     where = f"{here}: paired_steps.py, {HOST_CYCLES} cycles"
     runs = [
         {"model": "gpt_125m", "batch": 1, "seq": 2048, "mesh": "", "method": m,
          "measured_ms": round(measured["ms"][m]["step"], 3), "host_probe_ms": round(probe_ms, 3),
-         "source": where, "calibration": False,
-         **({"fits": HOST_FIT[m]} if m in HOST_FIT else {})}
+         "source": where, "calibration": False, "fits": HOST_FIT[m]}
         for m in methods
     ]  # fmt: skip
     return runs, probe_ms
@@ -558,8 +579,8 @@ def refit(raw: dict, by: str) -> None:
     """Fit again, to what a calibration stores, what calibrate.py fitted when it ran: the GEMM
     rate and cost per GEMM (to its `gemm_samples`, which calibrations since 2026-12-06 keep),
     the elementwise bytes and the fixed cost per layer (to its plain calibration steps, their
-    times as stored, rounded to the µs), then `host.block_us` (to its world-1 gtp_blocks step,
-    where it had one). What a change to how the cost model counts a step's parts needs (the
+    times as stored, rounded to the µs), then the host's times `fit_host` fits (to the runs
+    marked with what they fit, where it has them). What a change to how the cost model counts a step's parts needs (the
     GEMMs' waves, the loss's bytes per logit), without the machine, as does attention's rate
     and fixed time where a GPU's `attention_samples` are stored; the HBM rate needs the
     machine. `by` names the refit in each source."""
@@ -596,7 +617,7 @@ def refit(raw: dict, by: str) -> None:
     part, key = layer_fit_place(graphed)
     for where, value in ((("compute", "elementwise_bytes"), per_byte), ((part, key), per_layer)):
         store(*where, value, raw[where[0]][where[1]]["source"])
-    sources = {key: raw["host"][key]["source"] for key in ("layer_us", "block_us")}
+    sources = {key: raw["host"][key]["source"] for key in (*HOST_FIT.values(), "use_us")}
     for key, (value, _) in fit_host(raw).items():
         store("host", key, value, sources[key])
 
@@ -1017,22 +1038,27 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def fit_host(raw: dict) -> dict[str, tuple[float, str]]:
-    """The host's time per layer and per block on gathered weights (`host.layer_us`,
-    `host.block_us`), each bisected to the run marked as fitting it (`"fits"`), which becomes a
-    calibration run: {key: (µs, what it was fitted to)}, the values left in `raw["host"]` for
-    the caller to give a source. On a GPU both fit the host-bound steps of
-    `measure_host_steps`; on a CPU, whose time per layer the elementwise fit gives, the block
-    time fits the world-1 gtp_blocks step at the smallest batch (`mark_block_fit`). A
-    calibration made before 2026-12-06 marked that step a calibration run instead."""
+    """The host's time per layer, per intercepted use at world 1, per block on gathered
+    weights and per FSDP2 module group (`host.layer_us`, `use_us_local`, `block_us`,
+    `fsdp2_block_us`), each bisected, in that order, to the run marked as fitting it
+    (`"fits"`), which becomes a calibration run: {key: (µs, what it was fitted to)}, the values
+    left in `raw["host"]` for the caller to give a source. A fitted `use_us_local` moves
+    `use_us` by as much, which then comes back too. On a GPU all four fit the host-bound
+    steps of `measure_host_steps` (calibrations before 2026-12-07 fitted the first and third);
+    on a CPU, whose time per layer the elementwise fit gives, the block time fits the world-1
+    gtp_blocks step at the smallest batch (`mark_block_fit`). A calibration made before
+    2026-12-06 marked that step a calibration run instead."""
     fitted = {}
-    for key in ("layer_us", "block_us"):
+    host = raw["host"]
+    for key in HOST_FIT.values():
         run = _host_fit_run(raw["runs"], key)
         if run is None:
             continue
+        before = _number(host[key])
         lo, hi = 0.0, 1e5
         for _ in range(40):
             mid = (lo + hi) / 2
-            raw["host"][key] = mid
+            host[key] = mid
             predicted = predicted_ms(cluster_from_dict(raw, key), run)
             lo, hi = (mid, hi) if predicted < run["measured_ms"] else (lo, mid)
         # At the bound the step was shorter than the model has it with none of this cost:
@@ -1043,9 +1069,21 @@ def fit_host(raw: dict) -> dict[str, tuple[float, str]]:
             lo,
             f"the world-1 batch-{run['batch']} {model} {run['method']} step (fit{bound})",
         )
-        raw["host"][key] = lo
+        host[key] = lo
         run["calibration"] = True
+        if key == "use_us_local":
+            shift = lo - before
+            host["use_us"] = _number(host["use_us"]) + shift
+            fitted["use_us"] = (
+                host["use_us"],
+                f"as measured, {shift:+.1f} µs with use_us_local's fit to the {run['method']} step",
+            )
     return fitted
+
+
+def _number(value: dict | float) -> float:
+    """A calibration entry's value, with its source or without."""
+    return float(value["value"]) if isinstance(value, dict) else float(value)
 
 
 def _host_fit_run(runs: list[dict], key: str) -> dict | None:

@@ -25,6 +25,10 @@ time by (timed before and after a minute of steps instead, the probe put the 125
 at 3.8 to 5.2 × its own time over the H100 and H200 calls of 2026-12-03 to 06). The JSON has
 step_phases.py's layout (`ms[method]["step"]`, the median step; `host_probe_ms`), so
 `stored_runs.phases_runs` reads it for `gtp-plan validate`, and `ratios` besides.
+
+With `--baseline TREE` (another commit's checkout) each gtp method also runs on that tree's
+gtp_wrap as `<method>@base`, in the same cycles: an engine change read against the commit
+before it on one host at one time (see step_phases.py for what sharing a process implies).
 """
 
 from __future__ import annotations
@@ -34,18 +38,21 @@ import json
 import math
 import statistics
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import torch
 from bench_step import METHODS, _build, _sync, batch_of, method_step
 from host_probe import HostProbe
-from step_phases import MODELS
+from step_phases import MODELS, load_baseline
 
+import gtp_wrap
 from gtp_wrap.app.launch import launch
 from gtp_wrap.app.model import GPTConfig
 
 PROBE = "host probe"  # the probe's turn in a cycle
+AT_BASE = "@base"  # the suffix of a method run on the --baseline tree's gtp_wrap
 
 
 def median_interval(values: list[float]) -> tuple[float, float, float]:
@@ -70,15 +77,23 @@ def paired(
     warmup: int = 5,
     fused_adamw: bool = True,
     probe: HostProbe | None = None,
+    base: types.ModuleType | None = None,
 ) -> dict[str, Any]:
     """Every method's step times, cycle by cycle, and each method's ratios to the first; with
     `probe`, one run of the host probe in every cycle too, in turn with the steps
-    (`host_probe_ms`: their median), so that the host's speed is read when the steps ran."""
+    (`host_probe_ms`: their median), so that the host's speed is read when the steps ran; with
+    `base` (another tree's gtp_wrap, step_phases.load_baseline), each gtp method also runs on
+    it, as `<method>@base`, in the same cycles."""
     idx = batch_of(cfg, batch, seq, device)
+    libs = {m: gtp_wrap for m in methods}
+    if base is not None:
+        libs.update({f"{m}{AT_BASE}": base for m in methods if m.startswith("gtp")})
+        methods = list(libs)
     steps = {}
-    for method in methods:
-        model, optim, autocast = _build(method, cfg, device, 1, {}, fused_adamw)
-        steps[method] = method_step(method, model, optim, autocast, idx, warmup)
+    for method, lib in libs.items():
+        name = method.removesuffix(AT_BASE)
+        model, optim, autocast = _build(name, cfg, device, 1, {}, fused_adamw, lib)
+        steps[method] = method_step(name, model, optim, autocast, idx, warmup)
         for _ in range(warmup):
             steps[method]()
     _sync(device)
@@ -124,7 +139,8 @@ def _rank(device: torch.device, args: argparse.Namespace) -> None:
         torch.set_num_threads(1)  # the host's own time, not intra-op threads'
     measured = paired(device, MODELS[args.model], batch=args.batch, seq=args.seq,
                       methods=args.methods, cycles=args.cycles, warmup=args.warmup,
-                      fused_adamw=args.fused_adamw, probe=HostProbe(device))  # fmt: skip
+                      fused_adamw=args.fused_adamw, probe=HostProbe(device),
+                      base=load_baseline(args.baseline) if args.baseline else None)  # fmt: skip
     result = {"command": {k: str(v) for k, v in vars(args).items()}, "device": str(device),
               "world": 1, **measured}  # fmt: skip
     print(table(result))
@@ -146,6 +162,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--fused-adamw", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another commit's checkout: its gtp methods run as <method>@base")  # fmt: skip
     args = ap.parse_args(argv)
     args.seq = args.seq or (16 if args.model == "tiny" else 2048)
     return args

@@ -175,15 +175,19 @@ def test_paired_steps_ratios_are_medians_of_each_cycles_two_steps(
 ) -> None:
     """Methods take turns a step at a time; a ratio is the median, over the cycles, of a
     method's step over the reference's step of the same cycle, inside its interval, and the
-    JSON reads as stored runs for `gtp-plan validate`."""
+    JSON reads as stored runs for `gtp-plan validate`; a baseline tree's gtp methods (here
+    this tree's again) take their turns too, and are no stored runs."""
     out = tmp_path / "paired.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/paired_steps.py"), "--cycles", "7",
-           "--warmup", "2", "--methods", "floor", "gtp_blocks", "--out", str(out)]  # fmt: skip
+           "--warmup", "2", "--methods", "floor", "gtp_blocks", "--baseline", str(ROOT),
+           "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     steps = result["steps_ms"]
-    assert [len(steps[m]) for m in ("floor", "gtp_blocks")] == [7, 7]
+    assert {m: len(t) for m, t in steps.items()} == {"floor": 7, "gtp_blocks": 7,
+                                                     "gtp_blocks@base": 7}  # fmt: skip
+    assert "gtp_blocks@base" in result["ratios"]
     per_cycle = sorted(b / f for b, f in zip(steps["gtp_blocks"], steps["floor"], strict=True))
     ratio = result["ratios"]["gtp_blocks"]
     assert ratio["median"] == pytest.approx(per_cycle[3])
@@ -300,27 +304,34 @@ def test_calibrate_refit_reproduces_what_the_run_fitted(tmp_path: Path) -> None:
 
 
 def test_host_fit_reproduces_the_host_bound_steps_it_is_fitted_to() -> None:
-    """On a GPU calibrate.py fits the host's time per layer to the 125M floor at batch 1 and
-    its time per block to gtp_blocks (paired_steps.py's runs, marked with what they fit): the
-    model then predicts both steps as measured, at the probe the runs carry, and gives a
-    slower host's steps proportionally more host time."""
+    """On a GPU calibrate.py fits the host's time per layer to the 125M floor at batch 1, per
+    intercepted use to gtp, per block to gtp_blocks and per FSDP2 group to fsdp2
+    (paired_steps.py's runs, marked with what they fit): the model then predicts all four steps
+    as measured, at the probe the runs carry, a use in a sharded group moves with the world-1
+    use, and a slower host's steps get proportionally more host time."""
     cal = _benchmark_module("calibrate")
     from gtp_wrap.scaling import validate
     from gtp_wrap.scaling.cluster import cluster_from_dict
 
     raw = json.loads((ROOT / "benchmarks/calibration/h100.json").read_text())
     probe = raw["host_probe_ms"]["value"]
+    use_us, use_us_local = raw["host"]["use_us"]["value"], raw["host"]["use_us_local"]["value"]
     step = {"model": "gpt_125m", "batch": 1, "seq": 2048, "mesh": "", "host_probe_ms": probe,
             "source": "test", "calibration": False}  # fmt: skip
     floor = dict(step, method="floor", measured_ms=30.0, fits="layer_us")
+    gtp = dict(step, method="gtp", measured_ms=45.0, fits="use_us_local")
     blocks = dict(step, method="gtp_blocks", measured_ms=36.0, fits="block_us")
-    raw["runs"] = [floor, blocks]
+    fsdp2 = dict(step, method="fsdp2", measured_ms=70.0, fits="fsdp2_block_us")
+    raw["runs"] = [fsdp2, blocks, gtp, floor]  # fitted in HOST_FIT's order, not the runs'
     fitted = cal.fit_host(raw)
-    assert set(fitted) == {"layer_us", "block_us"}
-    assert floor["calibration"] and blocks["calibration"]
+    assert list(fitted) == ["layer_us", "use_us_local", "use_us", "block_us", "fsdp2_block_us"]
+    assert all(run["calibration"] for run in raw["runs"])
     cluster = cluster_from_dict(raw, "test")
-    for run in (floor, blocks):
+    for run in raw["runs"]:
         assert validate.predicted_ms(cluster, run) == pytest.approx(run["measured_ms"], rel=1e-4)
+    shift = fitted["use_us_local"][0] - use_us_local
+    assert fitted["use_us"][0] == pytest.approx(use_us + shift)
+    assert abs(shift) > 1.0  # the 45 ms gtp step asked for a different time per use
     at = [
         validate.predicted_ms(cluster, dict(floor, host_probe_ms=k * probe)) for k in (1, 2, 3, 4)
     ]
