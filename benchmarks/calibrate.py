@@ -580,10 +580,10 @@ def refit(raw: dict, by: str) -> None:
     rate and cost per GEMM (to its `gemm_samples`, which calibrations since 2026-12-06 keep),
     the elementwise bytes and the fixed cost per layer (to its plain calibration steps, their
     times as stored, rounded to the µs), then the host's times `fit_host` fits (to the runs
-    marked with what they fit, where it has them). What a change to how the cost model counts a step's parts needs (the
-    GEMMs' waves, the loss's bytes per logit), without the machine, as does attention's rate
-    and fixed time where a GPU's `attention_samples` are stored; the HBM rate needs the
-    machine. `by` names the refit in each source."""
+    marked with what they fit, where it has them). What a change to how the cost model counts
+    a step's parts needs (the GEMMs' waves, the loss's bytes per logit), without the machine,
+    as does attention's rate and fixed time where a GPU's `attention_samples` are stored; the
+    HBM rate needs the machine. `by` names the refit in each source."""
     plain = [
         r for r in raw["runs"] if r.get("calibration") and r["method"] in ("plain", "plain_graph")
     ]

@@ -163,7 +163,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fused-adamw", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     ap.add_argument("--baseline", type=Path, default=None,
-                    help="another commit's checkout: its gtp methods run as <method>@base")  # fmt: skip
+                    help="another checkout: its gtp methods run as <method>@base")  # fmt: skip
     args = ap.parse_args(argv)
     args.seq = args.seq or (16 if args.model == "tiny" else 2048)
     return args
