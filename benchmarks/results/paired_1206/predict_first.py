@@ -3,7 +3,9 @@ written before the runs start (issue 26: predict each run before making it). Eac
 the calibration's host speed; once stored, a run carries its own host probe (timed in its
 cycles), which `gtp-plan validate` scales its host time by.
 
-    python benchmarks/results/paired_1206/predict_first.py CALIBRATION.json OUT.json
+    python benchmarks/results/paired_1206/predict_first.py CALIBRATION.json OUT.json [METHODS]
+
+METHODS (comma-separated): predict these for every model and batch of the plan instead.
 """
 
 import datetime
@@ -23,6 +25,8 @@ PLAN = {
 }
 
 calibration, out = Path(sys.argv[1]), Path(sys.argv[2])
+if len(sys.argv) > 3:
+    PLAN = {key: tuple(sys.argv[3].split(",")) for key in PLAN}
 if out.exists():
     raise SystemExit(f"{out} exists: predictions are made once, before the runs")
 cluster = load_cluster(str(calibration))
