@@ -28,7 +28,8 @@ step_phases.py's layout (`ms[method]["step"]`, the median step; `host_probe_ms`)
 
 With `--baseline TREE` (another commit's checkout) each gtp method also runs on that tree's
 gtp_wrap as `<method>@base`, in the same cycles: an engine change read against the commit
-before it on one host at one time (see step_phases.py for what sharing a process implies).
+before it on one host at one time (see step_phases.py for what sharing a process implies),
+as each method's per-cycle ratio to its baseline (`against_base`).
 """
 
 from __future__ import annotations
@@ -110,13 +111,16 @@ def paired(
             steps[turn]()
             _sync(device)
             times[turn].append(1e3 * (time.perf_counter() - began))
-    ratios = {
-        m: median_interval([t / r for t, r in zip(times[m], times[methods[0]], strict=True)])
-        for m in methods[1:]
-    }
+
+    def ratio(m: str, to: str) -> dict[str, float]:
+        r = median_interval([t / f for t, f in zip(times[m], times[to], strict=True)])
+        return {"median": r[0], "low": r[1], "high": r[2]}
+
+    based = [m for m in methods if f"{m}{AT_BASE}" in times]
     return {
         "ms": {m: {"step": statistics.median(t)} for m, t in times.items()},
-        "ratios": {m: {"median": r[0], "low": r[1], "high": r[2]} for m, r in ratios.items()},
+        "ratios": {m: ratio(m, methods[0]) for m in methods[1:]},
+        **({"against_base": {m: ratio(m, f"{m}{AT_BASE}") for m in based}} if based else {}),
         "reference": methods[0],
         "steps_ms": times,
         **({"host_probe_ms": statistics.median(probed), "probe_ms": probed} if probed else {}),
@@ -131,6 +135,9 @@ def table(result: dict[str, Any]) -> str:
         r = result["ratios"].get(method)
         ratio = f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f})" if r else ""
         lines.append(f"| {method} | {ms['step']:.2f} | {ratio} |")
+    for method, r in result.get("against_base", {}).items():
+        interval = f"{r['low']:.4f}-{r['high']:.4f}"
+        lines.append(f"{method} / {method}{AT_BASE}: {r['median']:.4f} ({interval})")
     return "\n".join(lines)
 
 

@@ -188,6 +188,11 @@ def test_paired_steps_ratios_are_medians_of_each_cycles_two_steps(
     assert {m: len(t) for m, t in steps.items()} == {"floor": 7, "gtp_blocks": 7,
                                                      "gtp_blocks@base": 7}  # fmt: skip
     assert "gtp_blocks@base" in result["ratios"]
+    to_base = sorted(
+        a / b for a, b in zip(steps["gtp_blocks"], steps["gtp_blocks@base"], strict=True)
+    )
+    assert result["against_base"]["gtp_blocks"]["median"] == pytest.approx(to_base[3])
+    assert "gtp_blocks / gtp_blocks@base: " in proc.stdout
     per_cycle = sorted(b / f for b, f in zip(steps["gtp_blocks"], steps["floor"], strict=True))
     ratio = result["ratios"]["gtp_blocks"]
     assert ratio["median"] == pytest.approx(per_cycle[3])
