@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import caught, run_ranks
+from harness import caught, local_rows, run_ranks
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import gtp_wrap
 from gtp_wrap import GTPWrap, WrapError, full_state_dict
@@ -172,3 +173,42 @@ def test_optimizer_steps_run_without_interception() -> None:
         assert got["forward"] == [True, True, True, True]
         assert got["clip"].startswith("WrapError: torch.nn.utils.clip_grad_norm_"), got["clip"]
         assert got["diff"] < 1e-6
+
+
+class _Checkpointed(nn.Module):
+    """Its body recomputed in backward (a checkpoint), where its weights are read again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+def _step_between_forward_and_backward(rank: int, world: int) -> float:
+    """Another model's optimizer steps between this one's forward and backward (a GAN's
+    discriminator), which switches interception off: the backward's recompute still reads
+    the gathered weights, as the reference's."""
+    torch.manual_seed(0)
+    model = GTPWrap(_Checkpointed(), {"min_shard_numel": 0})
+    torch.manual_seed(0)
+    ref = _Checkpointed()
+    other = nn.Linear(3, 3)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    loss = model(x[rank * 2 : rank * 2 + 2]).square().sum()
+    ref(x).square().sum().div(world).backward()
+    other(torch.randn(2, 3)).sum().backward()
+    other_opt.step()
+    loss.backward()
+    params = dict(model.named_parameters())
+    return max(
+        (params[n].grad - local_rows(params[n], p.grad)).abs().max().item()
+        for n, p in ref.named_parameters()
+    )
+
+
+def test_a_step_between_forward_and_backward_leaves_the_recompute_gathered() -> None:
+    for diff in run_ranks(_step_between_forward_and_backward, 2):
+        assert diff < 1e-6

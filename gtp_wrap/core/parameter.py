@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import WrapError
 from .weight import CastWeight, Runtime, ShardedWeight
@@ -63,9 +63,7 @@ class OpenPasses:
     @classmethod
     def open(cls) -> None:
         cls.count += 1
-        if _OptimizerSteps.off:  # see [Note: optimizer steps without interception]
-            _OptimizerSteps.off = False
-            GTPParameter.__torch_function__ = _INTERCEPT  # type: ignore[method-assign]
+        _OptimizerSteps.resume()
 
     @classmethod
     def close(cls) -> None:
@@ -253,27 +251,54 @@ class _OptimizerSteps:
     a Python call that only finds no pass open (about 1.5 µs each on CPU, 0.5 to 1 ms per step).
     `zero_grad` reads and sets every `.grad`: 172 calls more. Torch skips the Python call
     altogether for a class whose `__torch_function__` is its own disabled implementation, as
-    `nn.Parameter`'s is. So a step outside every pass switches GTPParameter's to that
-    implementation, and it stays so until the next pass opens (`OpenPasses.open`): the step,
-    the `zero_grad` after it and whatever else runs before the next forward touch only shards
-    and gradients, never a use. A step that raises leaves it off the same way.
+    `nn.Parameter`'s is. So a step outside every pass and outside backward switches
+    GTPParameter's to that implementation, and it stays so until the next pass opens
+    (`OpenPasses.open`) or a backward reaches the output of a wrapped model's forward
+    (`resume_in_backward`), whichever comes first: the step, the `zero_grad` after it and
+    whatever else runs before the next forward touch only shards and gradients, never a use.
+    The second matters where a step comes between a forward and its backward (another model's
+    optimizer: a GAN's discriminator): a checkpoint's recompute in that backward reads the
+    weights before any pass of ours opens, and must see them gathered. A step that raises
+    leaves interception off the same way.
 
     What this gives up: outside passes, interception only refuses two mistakes on weights
-    sharded over more than one rank (torch's clip of the shards' gradients, a module inside
-    a block on gathered weights called on its own). Between a step and the next pass these
-    go unchecked. Both happen in a training loop before the step (clipping), or not at all,
-    and the forward that follows checks them again. An optimizer stepped inside backward
-    (from a gradient hook) leaves interception on: its pass is open.
+    sharded over more than one rank, and between a step and the next pass neither is checked:
+    torch's clip of the shards' gradients (a loop that clips before its first step is
+    refused there; one that clips only the parameters of a second optimizer, after the first
+    one's step, is not), and a module inside a block on gathered weights called on its own. A
+    backward started from a tensor inside a wrapped model rather than its output, after a
+    step, runs a checkpoint's recompute on the shards (the shapes then disagree, or the rows
+    are this rank's): start backward from the model's output, or from what it was computed
+    into.
     """
 
-    off = False  # whether a step switched interception off and no pass opened since
-    registered = False
+    off = False  # whether a step switched interception off and nothing switched it back on
 
     @staticmethod
     def begin(optimizer: object, args: object, kwargs: object) -> None:
+        # Not for an optimizer stepped inside backward (from a gradient hook): uses may follow.
         if not _OptimizerSteps.off and not OpenPasses.count and _graph_task_id() == -1:
             _OptimizerSteps.off = True
             GTPParameter.__torch_function__ = _plain  # type: ignore[assignment]
+
+    @staticmethod
+    def resume(*_: object) -> None:
+        """Switch interception back on, where a step switched it off."""
+        if _OptimizerSteps.off:
+            _OptimizerSteps.off = False
+            GTPParameter.__torch_function__ = _INTERCEPT  # type: ignore[method-assign]
+
+
+def resume_in_backward(output: object) -> None:
+    """Have a backward through `output`, a wrapped model's forward output, switch
+    interception back on as it reaches it (see [Note: optimizer steps without interception]):
+    before any node of the model runs, since the output's nodes come first in backward."""
+    for t in tree_flatten(output)[0]:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            t.grad_fn.register_prehook(_OptimizerSteps.resume)
+
+
+_hooks_registered = False
 
 
 def register_with_optimizers() -> None:
@@ -291,8 +316,9 @@ def register_with_optimizers() -> None:
     )
     if isinstance(types, list) and GTPParameter not in types:
         types.append(GTPParameter)
-    if not _OptimizerSteps.registered:
-        _OptimizerSteps.registered = True
+    global _hooks_registered
+    if not _hooks_registered:
+        _hooks_registered = True
         register_optimizer_step_pre_hook(_OptimizerSteps.begin)
 
 

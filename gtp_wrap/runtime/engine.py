@@ -33,6 +33,7 @@ from ..comm.watch import Watch
 from ..config.plan import ParameterPlan
 from ..config.policy import GTPPolicy
 from ..core.build import build, check_ranks_agree, install_process_hooks
+from ..core.parameter import resume_in_backward
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError, WrapError
 from ..mesh import GTPMesh
@@ -262,11 +263,13 @@ class GTPEngine:
 
     def close_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """Close the forward pass `open_forward` opened (its always-called forward hook)."""
-        self.end_forward(_forward_error())
+        error = _forward_error()
+        self.end_forward(error, output if error is None else None)
 
-    def end_forward(self, error: BaseException | None) -> None:
+    def end_forward(self, error: BaseException | None, output: Any = None) -> None:
         """Close the forward pass `open_forward` opened; `error`: what its forward raised, if
-        it raised."""
+        it raised; `output`: what it returned, whose backward switches interception back on
+        (see [Note: optimizer steps without interception], core/parameter.py)."""
         if not self.passes.stack:  # an earlier pre-hook raised before ours opened the pass
             return
         state = self.passes.stack[-1]
@@ -277,6 +280,8 @@ class GTPEngine:
         self._end_pass(failed=error is not None)
         if error is None:
             self.watch.recovered()
+            if output is not None and state.kind is PassKind.FORWARD:
+                resume_in_backward(output)
 
     def ensure_backward(self) -> None:
         """Open the backward pass, unless one is open: called by everything backward runs of

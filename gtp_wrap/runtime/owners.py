@@ -40,7 +40,7 @@ class PassOpener(Protocol):
 
     def close_forward(self, module: nn.Module, args: Any, output: Any) -> None: ...
 
-    def end_forward(self, error: BaseException | None) -> None: ...
+    def end_forward(self, error: BaseException | None, output: Any = None) -> None: ...
 
 
 class Owners:
@@ -86,7 +86,7 @@ class Owners:
         except BaseException as error:
             engine.end_forward(error)
             raise
-        engine.end_forward(None)
+        engine.end_forward(None, out)
         return out
 
     def _opens(self, module: nn.Module) -> bool:
