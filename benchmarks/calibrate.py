@@ -463,20 +463,25 @@ def plain_step(
 # 06:31), and its block time, fitted to the 1.36B step, which the device covers at batch 1,
 # read 32 µs where the paired steps say some 500 (RESULTS.md, 2026-12-06).
 # The per-use gtp step and FSDP2's fit the host's time per intercepted use at world 1
-# (`host.use_us_local`) and per FSDP2 module group (`host.fsdp2_block_us`) the same way. Before,
+# (`host.use_us_local`) and per FSDP2 module group at world 1 (`host.fsdp2_block_us_local`:
+# there FSDP2 gathers nothing, so its groups at larger worlds keep `fsdp2_block_us`) the same
+# way. Before,
 # a use's time came from 16 Linear(64, 64) (host_overhead.py's loop) and FSDP2's from
 # GPU.md's rough 2 ms, and an H200 call's 125M batch-1 gtp and fsdp2 steps came out 25 and 26 %
 # above their predictions (RESULTS.md, 2026-12-06 20:04): a real model's use costs more than a
 # tiny Linear's. A use in a sharded group (`host.use_us`, timed at world 2 on the same Linears)
 # moves with the world-1 fit by as much: what the group adds, its collectives' launches, is
-# what the Linears measured. The fits run in this order: each step's model takes only the
-# costs fitted before it (gtp_blocks' embedding and head are intercepted uses).
+# what the Linears measured (where `use_us` was timed on them: `USE_LINEARS` in its source).
+# The fits run in this order: each step's model takes only the costs fitted before it
+# (gtp_blocks' embedding and head are intercepted uses).
 HOST_FIT = {  # method: what its step fits, in fitting order
     "floor": "layer_us",
     "gtp": "use_us_local",
     "gtp_blocks": "block_us",
-    "fsdp2": "fsdp2_block_us",
+    "fsdp2": "fsdp2_block_us_local",
 }
+USE_LINEARS = "16 Linear(64, 64)"  # what calibrate.py times a use on (`measure_use_us*`)
+MOVED = "; moved with use_us_local's fit, "  # in use_us's source, then how far above it stays
 HOST_CYCLES = 60
 
 
@@ -617,9 +622,9 @@ def refit(raw: dict, by: str) -> None:
     part, key = layer_fit_place(graphed)
     for where, value in ((("compute", "elementwise_bytes"), per_byte), ((part, key), per_layer)):
         store(*where, value, raw[where[0]][where[1]]["source"])
-    sources = {key: raw["host"][key]["source"] for key in (*HOST_FIT.values(), "use_us")}
-    for key, (value, _) in fit_host(raw).items():
-        store("host", key, value, sources[key])
+    sources = {key: raw["host"][key]["source"] for key in HOST_FIT.values() if key in raw["host"]}
+    for key, (value, what) in fit_host(raw).items():
+        store("host", key, value, sources.get(key, what))
 
 
 def measure_use_us(device: torch.device, policy: dict | None = None) -> float:
@@ -948,7 +953,7 @@ def main(argv: list[str] | None = None) -> None:
                                    "host-bound steps' cycles")  # fmt: skip
     print("calibrate: host time per use", flush=True)
     local = measure_use_us(device, {} if not cuda else {"param_dtype": "bfloat16"})
-    h["use_us_local"] = src(local, f"{here}: 16 Linear(64, 64) wrapped or not, world 1")
+    h["use_us_local"] = src(local, f"{here}: {USE_LINEARS} wrapped or not, world 1")
     h["step_us"] = src(0.0 if not cuda else 1000, "not measured: the loss and optimizer launch")
     h["graph_step_us"] = src(50, "estimate: one CUDA graph replay launch")
     h["fsdp2_block_us"] = src(2000, "../shared/GPU.md: FSDP2 adds ~2 ms per module group")
@@ -994,7 +999,7 @@ def main(argv: list[str] | None = None) -> None:
         use = measure_use_us_world2(budget, True)
         how = "(gloo), the rank's own CPU time"
     if use:
-        h["use_us"] = src(use, f"{here}: 16 Linear(64, 64) at world 2 {how}")
+        h["use_us"] = src(use, f"{here}: {USE_LINEARS} at world 2 {how}")
     else:
         h["use_us"] = src(262, "results/profile_b1_final_gtp.json (2xH200): not measured here")
     raw.update(
@@ -1028,7 +1033,7 @@ def main(argv: list[str] | None = None) -> None:
     raw["runs"] = runs_of(model, plain_runs, step_runs, cuda, here) + host_runs
     mark_block_fit(raw["runs"])
     for key, (value, what) in fit_host(raw).items():
-        raw["host"][key] = src(value, f"{here}: {what}")
+        raw["host"][key] = src(value, what if key == "use_us" else f"{here}: {what}")
     raw["skipped"] = budget.skipped
     if hasattr(os, "getloadavg"):  # the neighbours' load while this ran (CPU figures move with it)
         raw["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -1039,13 +1044,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def fit_host(raw: dict) -> dict[str, tuple[float, str]]:
     """The host's time per layer, per intercepted use at world 1, per block on gathered
-    weights and per FSDP2 module group (`host.layer_us`, `use_us_local`, `block_us`,
-    `fsdp2_block_us`), each bisected, in that order, to the run marked as fitting it
-    (`"fits"`), which becomes a calibration run: {key: (µs, what it was fitted to)}, the values
-    left in `raw["host"]` for the caller to give a source. A fitted `use_us_local` moves
-    `use_us` by as much, which then comes back too. On a GPU all four fit the host-bound
-    steps of `measure_host_steps` (calibrations before 2026-12-07 fitted the first and third);
-    on a CPU, whose time per layer the elementwise fit gives, the block time fits the world-1
+    weights and per FSDP2 module group at world 1 (`host.layer_us`, `use_us_local`,
+    `block_us`, `fsdp2_block_us_local`), each bisected, in that order, to the run marked as
+    fitting it (`"fits"`), which becomes a calibration run: {key: (µs, what it was fitted
+    to)}, the values left in `raw["host"]` for the caller to give a source. A fitted
+    `use_us_local` moves `use_us` by as much where both were timed on `USE_LINEARS` (see
+    [Note: the host's time, fitted to host-bound steps]), and then `use_us` comes back too,
+    its source followed by the shift. On a GPU all four fit the host-bound steps of
+    `measure_host_steps` (calibrations before 2026-12-07 fitted the first and third); on a
+    CPU, whose time per layer the elementwise fit gives, the block time fits the world-1
     gtp_blocks step at the smallest batch (`mark_block_fit`). A calibration made before
     2026-12-06 marked that step a calibration run instead."""
     fitted = {}
@@ -1054,7 +1061,7 @@ def fit_host(raw: dict) -> dict[str, tuple[float, str]]:
         run = _host_fit_run(raw["runs"], key)
         if run is None:
             continue
-        before = _number(host[key])
+        before = host.get(key)
         lo, hi = 0.0, 1e5
         for _ in range(40):
             mid = (lo + hi) / 2
@@ -1071,19 +1078,14 @@ def fit_host(raw: dict) -> dict[str, tuple[float, str]]:
         )
         host[key] = lo
         run["calibration"] = True
-        if key == "use_us_local":
-            shift = lo - before
-            host["use_us"] = _number(host["use_us"]) + shift
-            fitted["use_us"] = (
-                host["use_us"],
-                f"as measured, {shift:+.1f} µs with use_us_local's fit to the {run['method']} step",
-            )
+        use = host.get("use_us")
+        on_linears = isinstance(use, dict) and USE_LINEARS in use["source"]
+        if key == "use_us_local" and isinstance(before, dict) and on_linears and not bound:
+            above = use["value"] - before["value"]  # type: ignore[index]
+            source = use["source"].split(MOVED)[0]  # type: ignore[index]
+            host["use_us"] = lo + above
+            fitted["use_us"] = (host["use_us"], f"{source}{MOVED}{above:.1f} µs above it")
     return fitted
-
-
-def _number(value: dict | float) -> float:
-    """A calibration entry's value, with its source or without."""
-    return float(value["value"]) if isinstance(value, dict) else float(value)
 
 
 def _host_fit_run(runs: list[dict], key: str) -> dict | None:

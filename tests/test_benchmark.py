@@ -326,17 +326,22 @@ def test_host_fit_reproduces_the_host_bound_steps_it_is_fitted_to() -> None:
     floor = dict(step, method="floor", measured_ms=30.0, fits="layer_us")
     gtp = dict(step, method="gtp", measured_ms=45.0, fits="use_us_local")
     blocks = dict(step, method="gtp_blocks", measured_ms=36.0, fits="block_us")
-    fsdp2 = dict(step, method="fsdp2", measured_ms=70.0, fits="fsdp2_block_us")
+    fsdp2 = dict(step, method="fsdp2", measured_ms=70.0, fits="fsdp2_block_us_local")
     raw["runs"] = [fsdp2, blocks, gtp, floor]  # fitted in HOST_FIT's order, not the runs'
     fitted = cal.fit_host(raw)
-    assert list(fitted) == ["layer_us", "use_us_local", "use_us", "block_us", "fsdp2_block_us"]
+    assert list(fitted) == [
+        "layer_us", "use_us_local", "use_us", "block_us", "fsdp2_block_us_local"
+    ]  # fmt: skip
     assert all(run["calibration"] for run in raw["runs"])
     cluster = cluster_from_dict(raw, "test")
     for run in raw["runs"]:
         assert validate.predicted_ms(cluster, run) == pytest.approx(run["measured_ms"], rel=1e-4)
-    shift = fitted["use_us_local"][0] - use_us_local
-    assert fitted["use_us"][0] == pytest.approx(use_us + shift)
-    assert abs(shift) > 1.0  # the 45 ms gtp step asked for a different time per use
+    # Both uses were timed on the Linears: the sharded one stays as far above as measured.
+    assert abs(fitted["use_us_local"][0] - use_us_local) > 1.0  # the 45 ms step asked for it
+    assert fitted["use_us"][0] - fitted["use_us_local"][0] == pytest.approx(use_us - use_us_local)
+    assert cal.USE_LINEARS in fitted["use_us"][1]
+    # FSDP2's fit is its world-1 groups'; over two ranks it keeps the measured per-group time.
+    assert cluster.host.fsdp2_block_us == raw["host"]["fsdp2_block_us"]["value"]
     at = [
         validate.predicted_ms(cluster, dict(floor, host_probe_ms=k * probe)) for k in (1, 2, 3, 4)
     ]

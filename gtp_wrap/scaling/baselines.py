@@ -7,7 +7,8 @@
   runs ahead, so the next block's gather is in flight while this one computes), and
   re-gathered in backward; the root's (embedding, head) are gathered once and kept until
   the end of backward. Its copy-in/copy-out moves the gathered and reduced bytes through
-  HBM once more than GTP, and each block costs `host.fsdp2_block_us` of host time per step.
+  HBM once more than GTP, and each block costs `host.fsdp2_block_us` of host time per step
+  (`fsdp2_block_us_local` over a shard group of one, where FSDP2 gathers nothing).
   FSDP2's step is not captured in a CUDA graph: a graphed plan runs it eagerly.
 - TP (Megatron-style with sequence parallelism): every weight split over `tp`; per layer and
   pass two all-gathers and two reduce-scatters of the layer's activations (`tokens x d`,
@@ -51,6 +52,8 @@ def fsdp2(plan: Plan) -> Prediction:
     replicas = mesh.group("dp", cl.gpus_per_node)
     root = [w for w in cfg.weights() if w.kind in ("embedding", "head")]
     root_numel = sum(w.numel for w in root)
+    alone = cl.host.fsdp2_block_us_local
+    block_us = alone if alone is not None and shard.size == 1 else cl.host.fsdp2_block_us
     passes = []
     largest = 0.0
     for backward in (False, True):
@@ -73,7 +76,7 @@ def fsdp2(plan: Plan) -> Prediction:
                 reduce = collective_s(cl, "reduce_scatter", rs, shard)
                 reduce += collective_s(cl, "all_reduce", rs / shard.size, replicas)
                 copies += numel * (2.0 + prec.reduce_bytes) if mesh.world > 1 else 0.0
-            host = sum(u.host_s for u in g) + (cl.host.fsdp2_block_us * 1e-6 / 2 if block else 0.0)
+            host = sum(u.host_s for u in g) + (block_us * 1e-6 / 2 if block else 0.0)
             compute = sum(u.compute_s for u in g) + hbm_s(cl, copies)
             inline = sum(u.inline_s for u in g)  # experts' all-to-alls (FSDP2 with EP)
             stages.append(Stage(gather, compute, host, reduce, inline))

@@ -95,7 +95,8 @@ class Host:
     `fsdp2_block_us` per FSDP2 module group per step, and `block_us` per block on gathered
     weights per step (a group of one: its gathers cost `use_us - use_us_local` each beside
     it; None in a calibration made before it was measured, which predicts every method but
-    gtp_blocks)."""
+    gtp_blocks). `fsdp2_block_us_local`: FSDP2's per group where it shards over one rank,
+    where it gathers nothing (None: as `fsdp2_block_us`)."""
 
     layer_us: float
     step_us: float
@@ -104,6 +105,7 @@ class Host:
     graph_step_us: float
     fsdp2_block_us: float
     block_us: float | None = None
+    fsdp2_block_us_local: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
