@@ -1,4 +1,4 @@
-# Issues 21 and 26, one GPU (2026-12-06), one call of about 8 minutes:
+# Issues 21 and 26, one GPU (2026-12-06), one call of about 6 minutes:
 # 1. issue 21: 125M batch-1 eager steps of this tree against the tree before interception
 #    stayed off through zero_grad (.old/: `git archive a93aba3 gtp_wrap`), in the same cycles;
 # 2. issue 26: a calibration whose host times per use and per FSDP2 group are fitted to paired
@@ -16,11 +16,10 @@ paired() {  # name timeout model batch cycles methods... [--baseline TREE]
   echo "$name rc=$?"; tail -9 $OUT/$name.log
 }
 paired eager_base_a 100 125M 1 150 floor gtp_blocks gtp --baseline .old
-timeout 280 python3 benchmarks/calibrate.py --name $K --model gpt_1p36b --batches 1 8 \
-  --budget-s 200 --out $OUT/${K}_calibrated.json > $OUT/calibrate.log 2>&1
+timeout 230 python3 benchmarks/calibrate.py --name $K --model gpt_1p36b --batches 1 8 \
+  --budget-s 150 --out $OUT/${K}_calibrated.json > $OUT/calibrate.log 2>&1
 echo "calibrate rc=$?"; tail -4 $OUT/calibrate.log
 python3 benchmarks/results/paired_1206/predict_first.py $OUT/${K}_calibrated.json \
   $OUT/predicted.json floor,gtp_blocks,gtp,fsdp2 || exit 1
-paired paired_125M_b1 60 125M 1 100 floor gtp_blocks gtp fsdp2
-paired paired_1.36B_b1 80 1.36B 1 30 floor gtp_blocks gtp fsdp2
-paired paired_125M_b8 50 125M 8 30 floor gtp_blocks gtp fsdp2
+paired paired_1.36B_b1 75 1.36B 1 25 floor gtp_blocks gtp fsdp2
+paired paired_125M_b8 45 125M 8 25 floor gtp_blocks gtp fsdp2
