@@ -16,8 +16,8 @@ paired() {  # name timeout model batch cycles methods... [--baseline TREE]
   echo "$name rc=$?"; tail -9 $OUT/$name.log
 }
 paired eager_base_a 100 125M 1 150 floor gtp_blocks gtp --baseline .old
-timeout 230 python3 benchmarks/calibrate.py --name $K --model gpt_1p36b --batches 1 8 \
-  --budget-s 150 --out $OUT/${K}_calibrated.json > $OUT/calibrate.log 2>&1
+timeout 190 python3 benchmarks/calibrate.py --name $K --model gpt_1p36b --batches 1 8 \
+  --budget-s 120 --out $OUT/${K}_calibrated.json > $OUT/calibrate.log 2>&1
 echo "calibrate rc=$?"; tail -4 $OUT/calibrate.log
 python3 benchmarks/results/paired_1206/predict_first.py $OUT/${K}_calibrated.json \
   $OUT/predicted.json floor,gtp_blocks,gtp,fsdp2 || echo "no predictions: the runs are held out"
