@@ -61,7 +61,8 @@ def test_held_out_h100_graphed_and_batch_4_and_8_steps_within_target() -> None:
     call on a fast host (results/host_fit_1206, probe 3.85 ms): its 125M batch-8 floor and
     gtp_blocks steps took what two earlier calls' did (53.5 ms for the floor), but the model,
     with less host time at that probe, puts them 12.5 % lower (its gtp step 10.0 %): the
-    device's part of a 125M batch-8 step is short. Batch-1 eager steps move with the host and are reported."""
+    device's part of a 125M batch-8 step is short. Batch-1 eager steps move with the host and
+    are reported."""
     steady = [
         c
         for c in check(load_cluster("h100"))
