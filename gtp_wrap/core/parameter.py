@@ -273,6 +273,7 @@ class _OptimizerSteps:
     """
 
     off = False  # whether a step switched interception off and nothing switched it back on
+    registered = False  # whether `begin` is a global optimizer-step pre-hook yet
 
     @staticmethod
     def begin(optimizer: object, args: object, kwargs: object) -> None:
@@ -298,9 +299,6 @@ def resume_in_backward(output: object) -> None:
             t.grad_fn.register_prehook(_OptimizerSteps.resume)
 
 
-_hooks_registered = False
-
-
 def register_with_optimizers() -> None:
     """Let optimizers take their multi-tensor kernels for GTP parameters, and step them without
     interception (see [Note: optimizer steps without interception]); at the first wrap.
@@ -316,9 +314,8 @@ def register_with_optimizers() -> None:
     )
     if isinstance(types, list) and GTPParameter not in types:
         types.append(GTPParameter)
-    global _hooks_registered
-    if not _hooks_registered:
-        _hooks_registered = True
+    if not _OptimizerSteps.registered:
+        _OptimizerSteps.registered = True
         register_optimizer_step_pre_hook(_OptimizerSteps.begin)
 
 
