@@ -10,6 +10,9 @@ length and seed, with AdamW (foreach, or fused with --fused-adamw):
 - floor_graph: the floor's step captured in a CUDA graph (torch.cuda.graph) and replayed: the
   floor without host overhead, the reference for gtp_graph (at batch 1 the eager floor's step
   time moves with the host's speed);
+- floor_per_param: the floor with its AdamW over one fp32 tensor per parameter (each 1/N of it)
+  instead of one flat shard: the optimizer's host time per tensor, which GTP's shards and every
+  unflattened model pay, apart from the engine's;
 - ddp: fp32 parameters, bf16 autocast, DistributedDataParallel;
 - amp, amp_compile: the model as plain PyTorch trains it in mixed precision on one GPU, no GTP,
   no DDP: fp32 parameters, bf16 autocast, AdamW over its parameters (amp_compile: every block
@@ -76,7 +79,7 @@ MODELS = {
 # GTP's rules for a mixture of experts (configs/policy/moe.yaml): each expert stack's rows.
 MOE_RULES = [{"match": "*.experts.*", "dim": 1}, {"match": "Linear"}, {"match": "Embedding"}]
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
-METHODS = ("floor", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph", "floor_graph",
+METHODS = ("floor", "floor_per_param", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph", "floor_graph",
            "floor_compile", "fsdp2_compile", "gtp_compile", "gtp_blocks", "amp",
            "amp_compile")  # fmt: skip
 
@@ -107,9 +110,15 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         model = _model(cfg, device, torch.bfloat16)
         if method == "floor_compile":
             _compile_blocks(model)
-        shard = torch.zeros(math.ceil(cfg.n_params / world), device=device, requires_grad=True)
-        shard.grad = torch.zeros_like(shard)
-        return model, _adamw([shard], fused_adamw, method == "floor_graph"), None
+        sizes = [p.numel() for p in model.parameters()] if method == "floor_per_param" else [
+            cfg.n_params
+        ]
+        shards = [
+            torch.zeros(math.ceil(n / world), device=device, requires_grad=True) for n in sizes
+        ]
+        for shard in shards:
+            shard.grad = torch.zeros_like(shard)
+        return model, _adamw(shards, fused_adamw, method == "floor_graph"), None
     model = _model(cfg, device, torch.float32)
     if method.startswith("amp"):
         if method == "amp_compile":

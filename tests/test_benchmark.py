@@ -45,6 +45,19 @@ def _benchmark_module(name: str):
         sys.path.remove(path)  # by value: the module may have put paths of its own first
 
 
+def test_floor_per_param_steps_each_parameters_shard_where_the_floor_steps_one() -> None:
+    bench = _benchmark_module("bench_step")
+    cfg = bench.MODELS["smoke"]
+    sizes = {}
+    for method in ("floor", "floor_per_param"):
+        model, optim, autocast = bench._build(method, cfg, torch.device("cpu"), 2, {})
+        sizes[method] = [p.numel() for g in optim.param_groups for p in g["params"]]
+        assert autocast is None and all(p.grad is not None for p in optim.param_groups[0]["params"])
+    params = [p.numel() for p in model.parameters()]
+    assert sizes["floor"] == [-(-cfg.n_params // 2)] and sum(params) == cfg.n_params
+    assert sizes["floor_per_param"] == [-(-n // 2) for n in params] and len(params) > 10
+
+
 def test_memory_breakdown_names_what_is_live_at_the_peak() -> None:
     mb = _benchmark_module("memory_breakdown")
     engine = [{"filename": "/x/gtp_wrap/runtime/reduce.py", "name": "reduce_grad", "line": 1}]
