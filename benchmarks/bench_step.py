@@ -79,9 +79,9 @@ MODELS = {
 # GTP's rules for a mixture of experts (configs/policy/moe.yaml): each expert stack's rows.
 MOE_RULES = [{"match": "*.experts.*", "dim": 1}, {"match": "Linear"}, {"match": "Embedding"}]
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet)
-METHODS = ("floor", "floor_per_param", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm", "gtp_graph", "floor_graph",
-           "floor_compile", "fsdp2_compile", "gtp_compile", "gtp_blocks", "amp",
-           "amp_compile")  # fmt: skip
+METHODS = ("floor", "floor_per_param", "ddp", "fsdp2", "gtp", "gtp_fp8", "gtp_fp8_gemm",
+           "gtp_graph", "floor_graph", "floor_compile", "fsdp2_compile", "gtp_compile",
+           "gtp_blocks", "amp", "amp_compile")  # fmt: skip
 
 
 def _model(cfg: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
