@@ -110,9 +110,11 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         model = _model(cfg, device, torch.bfloat16)
         if method == "floor_compile":
             _compile_blocks(model)
-        sizes = [p.numel() for p in model.parameters()] if method == "floor_per_param" else [
-            cfg.n_params
-        ]
+        sizes = (
+            [p.numel() for p in model.parameters()]
+            if method == "floor_per_param"
+            else [cfg.n_params]
+        )
         shards = [
             torch.zeros(math.ceil(n / world), device=device, requires_grad=True) for n in sizes
         ]
