@@ -28,6 +28,9 @@ length and seed, with AdamW (foreach, or fused with --fused-adamw):
   (gtp_wrap.gather_per_block) instead of each use intercepted;
 - gtp_graph: gtp with the whole step (forward, backward, AdamW(capturable=True)) captured in a
   CUDA graph by gtp_wrap.graph_step after the warm-up steps.
+With `--dp D` the gtp methods run on a ("dp", "gtp") mesh of D replicas (each weight sharded
+over world/D ranks, gradients all-reduced over dp) and fsdp2 as HSDP over the same split; the
+floors step 1/(world/D) of the parameters.
 Each reports the median step time over the timed steps after warm-up, tokens/s per GPU, MFU,
 peak memory, and how fast the host launched work at the time (`host_probe_ms`, see
 host_probe.py: `gtp-plan validate` scales a run's host time by it). The table adds GTP/floor,
@@ -102,10 +105,14 @@ def _adamw(params: Any, fused: bool, capturable: bool = False) -> torch.optim.Ad
 
 
 def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict,
-           fused_adamw: bool = False, lib: types.ModuleType = gtp_wrap):  # fmt: skip
-    """(model, optimizer, autocast dtype or None); the floor's optimizer steps a 1/N shard.
-    `lib`: the gtp_wrap package the gtp methods wrap with (step_phases.py's --baseline loads
-    another commit's under another name)."""
+           fused_adamw: bool = False, lib: types.ModuleType = gtp_wrap,
+           dp: int = 1):  # fmt: skip
+    """(model, optimizer, autocast dtype or None); the floor's optimizer steps a 1/N shard (N:
+    the ranks a weight is sharded over, `world // dp`). `lib`: the gtp_wrap package the gtp
+    methods wrap with (step_phases.py's --baseline loads another commit's under another name).
+    `dp` > 1: GTP on a ("dp", "gtp") mesh and FSDP2 as HSDP (replicated over dp, sharded
+    within each group of `world // dp` ranks)."""
+    shards = world // dp
     if method.startswith("floor"):
         model = _model(cfg, device, torch.bfloat16)
         if method == "floor_compile":
@@ -116,7 +123,7 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
             else [cfg.n_params]
         )
         shards = [
-            torch.zeros(math.ceil(n / world), device=device, requires_grad=True) for n in sizes
+            torch.zeros(math.ceil(n / shards), device=device, requires_grad=True) for n in sizes
         ]
         for shard in shards:
             shard.grad = torch.zeros_like(shard)
@@ -134,7 +141,11 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
     if method.startswith("fsdp2"):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         # On `device`'s type: FSDP2's default mesh is on a GPU wherever one is present.
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = (
+            init_device_mesh(device.type, (dp, shards), mesh_dim_names=("dp", "shard"))
+            if dp > 1
+            else init_device_mesh(device.type, (world,))
+        )
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
             if method == "fsdp2_compile":  # FSDP2's hooks run eagerly around the compiled code
@@ -149,7 +160,7 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         policy["fp8_matmul"] = method == "gtp_fp8_gemm"
     if cfg.d < 512:
         policy["min_shard_numel"] = 0
-    lib.GTPWrap(model, policy)
+    lib.GTPWrap(model, policy, mesh=lib.make_mesh(dp=dp)[0] if dp > 1 else None)
     if method == "gtp_compile":
         lib.compile(model)
     if method == "gtp_blocks":
@@ -245,16 +256,17 @@ def _sync(device: torch.device) -> None:
 
 def measure(method: str, cfg: GPTConfig, batch: int, seq: int, warmup: int, steps: int,
             device: torch.device, overrides: dict, fused_adamw: bool = False,
-            probe: HostProbe | None = None) -> dict:  # fmt: skip
+            probe: HostProbe | None = None, dp: int = 1) -> dict:  # fmt: skip
     """One method's median step; with `probe`, the host's speed beside it (`host_probe_ms`:
-    the probe's mean just before and just after the timed steps, see host_probe.py)."""
+    the probe's mean just before and just after the timed steps, see host_probe.py). `dp`:
+    as `_build`'s."""
     world = dist.get_world_size()
     gc.collect()  # engines and FSDP states hold reference cycles: free the previous method
     baseline = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         baseline = torch.cuda.memory_allocated(device)  # whatever earlier methods left behind
-    model, optim, autocast = _build(method, cfg, device, world, overrides, fused_adamw)
+    model, optim, autocast = _build(method, cfg, device, world, overrides, fused_adamw, dp=dp)
     if device.type == "cuda":  # training memory: every method builds the full model first
         torch.cuda.reset_peak_memory_stats(device)
     step = method_step(method, model, optim, autocast, batch_of(cfg, batch, seq, device), warmup)
@@ -314,8 +326,8 @@ def run(device: torch.device, args: argparse.Namespace) -> list[dict]:
             for round_ in range(args.rounds):
                 for method in args.methods[:: -1 if round_ % 2 else 1]:
                     r = measure(method, cfg, batch, args.seq, args.warmup, args.steps, device,
-                                args.gtp_policy, args.fused_adamw, probe)  # fmt: skip
-                    r |= {"model": model_name, "batch": batch, "seq": args.seq}
+                                args.gtp_policy, args.fused_adamw, probe, args.dp)  # fmt: skip
+                    r |= {"model": model_name, "batch": batch, "seq": args.seq, "dp": args.dp}
                     key = (model_name, batch, method)
                     if key not in best or r["step_ms"] < best[key]["step_ms"]:
                         best[key] = r
@@ -388,6 +400,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2,
                     help="runs per method (alternating order); the fastest is kept")  # fmt: skip
     ap.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS)
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas: gtp methods on a (dp, world/dp) mesh, fsdp2 "
+                    "as HSDP over the same split (ddp and the floors as without)")  # fmt: skip
     ap.add_argument("--plan", default=None,
                     help="model:batches;... (models: " + ", ".join(MODELS) + "); default "
                     "1.36B:1,4,8;125M:1,8, with --smoke smoke:2")  # fmt: skip
@@ -423,6 +438,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _bench_rank(device: torch.device, args: argparse.Namespace) -> None:
+    if dist.get_world_size() % args.dp:
+        raise SystemExit(f"--dp {args.dp} does not divide the world of {dist.get_world_size()}")
     rows = run(device, args)
     if dist.get_rank() == 0:
         report(rows, args, device)

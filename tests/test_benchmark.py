@@ -11,6 +11,9 @@ import pytest
 import torch
 from harness import run_ranks
 
+import gtp_wrap
+from gtp_wrap.core.weight import ShardedWeight
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,6 +59,41 @@ def test_floor_per_param_steps_each_parameters_shard_where_the_floor_steps_one()
     params = [p.numel() for p in model.parameters()]
     assert sizes["floor"] == [-(-cfg.n_params // 2)] and sum(params) == cfg.n_params
     assert sizes["floor_per_param"] == [-(-n // 2) for n in params] and len(params) > 10
+
+
+def _dp_builds(rank: int, world: int) -> dict:
+    bench = _benchmark_module("bench_step")
+    cfg = bench.MODELS["smoke"]
+    out = {}
+    for method in ("floor", "gtp", "fsdp2"):
+        model, optim, autocast = bench._build(method, cfg, torch.device("cpu"), world, {}, dp=2)
+        idx = bench.batch_of(cfg, 2, 8, torch.device("cpu"))
+        bench.method_step(method, model, optim, autocast, idx, 0)()
+        params = [p for g in optim.param_groups for p in g["params"]]
+        out[method] = [p.numel() for p in params]
+        if method == "fsdp2":
+            out["fsdp2_mesh"] = [
+                (tuple(p.device_mesh.shape), str(p.placements)) for p in model.parameters()
+            ]
+        if method == "gtp":
+            weights = [p.gtp_weight for p in model.parameters()]
+            out["gtp_axes"] = {
+                (w.axis.size, w.replicas.size) for w in weights if type(w) is ShardedWeight
+            }
+            stats = gtp_wrap.stats(model)
+            out["gtp_collectives"] = stats["gathers"] > 0, stats["reduce_scatters"] > 0
+    return out
+
+
+def test_dp_runs_gtp_on_a_dp_gtp_mesh_and_fsdp2_as_hsdp() -> None:
+    """bench_step --dp 2 on 4 ranks: GTP shards over 2 ranks and averages over 2 replicas,
+    FSDP2 is HSDP on the same split, the floor steps half of the parameters."""
+    cfg = _benchmark_module("bench_step").MODELS["smoke"]
+    got = run_ranks(_dp_builds, 4, timeout=180)[0]
+    assert got["floor"] == [-(-cfg.n_params // 2)]
+    assert set(got["fsdp2_mesh"]) == {((2, 2), "(Replicate(), Shard(dim=0))")}
+    assert got["gtp_axes"] == {(2, 2)}
+    assert got["gtp_collectives"] == (True, True)
 
 
 def test_memory_breakdown_names_what_is_live_at_the_peak() -> None:

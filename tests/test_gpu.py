@@ -1,4 +1,5 @@
-"""The parity cases on CUDA with NCCL (2 GPUs): gathers and reduce-scatters on NCCL's streams.
+"""The parity cases on CUDA with NCCL (2 GPUs, and 4 or 8 where the machine has them, on one
+axis and on ("dp", "gtp") meshes): gathers and reduce-scatters on NCCL's streams.
 
 Each rank trains the wrapped model and, on its own GPU, the unsharded reference on the whole
 batch; TF32 is off so both sides do the same fp32 arithmetic.
@@ -10,7 +11,7 @@ import traceback
 
 import pytest
 import torch
-from harness import cached_ranks, run_ranks
+from harness import cached_ranks, mesh_2d, run_ranks
 from linear_cases import MLP, TOL, compare, inputs, reference
 from parity_cases import CASES, model_of, train_case
 from precision_cases import (
@@ -32,10 +33,15 @@ pytestmark = [
 ]
 
 
-def _nccl_cases(rank: int, world: int, collectives: str) -> dict:
+# Meshes by name: a world of N on one gtp axis, or DPxGTP; those beyond this machine's GPUs skip.
+NCCL_MESHES = {"2": (1, 2), "4": (1, 4), "8": (1, 8), "2x2": (2, 2), "2x4": (2, 4)}
+
+
+def _nccl_cases(rank: int, world: int, collectives: str, dp: int) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda", rank)
+    mesh = mesh_2d(dp, world // dp, "cuda") if dp > 1 else None
     out = {}
     for name, case in CASES.items():
         try:
@@ -45,7 +51,7 @@ def _nccl_cases(rank: int, world: int, collectives: str) -> dict:
                 case, ref_model, 0, 1, wrapped=False, loss_scale=world if summed else 1.0
             )
             policy = {**case.policy, "collectives": collectives}
-            model = GTPWrap(model_of(case).to(device), policy)
+            model = GTPWrap(model_of(case).to(device), policy, mesh=mesh)
             got = train_case(case, model, rank, world, wrapped=True)
             full = gtp_wrap.full_state_dict(model)
             param_diff = max(
@@ -63,16 +69,28 @@ def _nccl_cases(rank: int, world: int, collectives: str) -> dict:
 @pytest.mark.parametrize("collectives", ["process_group", "copy_engine"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_nccl_parity(name: str, collectives: str) -> None:
-    results = _results(collectives)
+    _check_parity(name, collectives, "2")
+
+
+@pytest.mark.parametrize("mesh", [m for m in NCCL_MESHES if m != "2"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_nccl_parity_on_more_gpus(name: str, mesh: str) -> None:
+    """gtp4 and gtp8 on one axis, and dp x gtp meshes (the dp all-reduce after the gtp
+    reduce-scatter), where the machine has the GPUs."""
+    dp, gtp = NCCL_MESHES[mesh]
+    if torch.cuda.device_count() < dp * gtp:
+        pytest.skip(f"needs {dp * gtp} CUDA GPUs")
+    _check_parity(name, "process_group", mesh)
+
+
+def _check_parity(name: str, collectives: str, mesh: str) -> None:
+    dp, gtp = NCCL_MESHES[mesh]
+    results = cached_ranks(_nccl_cases, dp * gtp, collectives, dp, timeout=300, backend="nccl")
     for rank, per_case in enumerate(results):
         got = per_case[name]
         assert "error" not in got, f"rank {rank}:\n{got.get('error')}"
         assert got["param_diff"] < 1e-4, got
         assert got["loss_diff"] < 1e-4, got
-
-
-def _results(collectives: str) -> list:
-    return cached_ranks(_nccl_cases, 2, collectives, timeout=300, backend="nccl")
 
 
 def test_weight_gradients_come_out_of_the_gemm_in_fp32() -> None:
