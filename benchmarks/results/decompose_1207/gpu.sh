@@ -14,6 +14,6 @@ for run in "eager 110 200 floor floor_per_param gtp_blocks amp" \
     --cycles $cycles --methods "$@" --out $OUT/$name.json > $OUT/$name.log 2>&1
   echo "$name rc=$?"; tail -7 $OUT/$name.log
 done
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_compile.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_compile.py \
   > $OUT/cuda_tests.log 2>&1
 echo "cuda tests rc=$?"; tail -3 $OUT/cuda_tests.log
