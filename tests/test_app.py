@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -174,43 +175,57 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
     assert sum(p.numel() for p in gpt.parameters()) == GPTConfig(**model).n_params
 
 
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("bogus_option=1", "Could not override 'bogus_option'"),
-        ("+policy.min_shard=3", "unknown GTPPolicy field(s) ['min_shard']"),
-        ("nproc=4096", "nproc=4096 but this machine has"),
-        ("data.path=/no/such/file.txt", "does not exist; give a text file (its bytes are the"),
-        ("mesh=[3,1]", "mesh=[3, 1] does not multiply to nproc=2"),
-        ("device=tpu", "device='tpu': use auto"),
-        ("mesh=[2]", "give two sizes, [dp, gtp]"),
-        ("policy=copy_engine", "on CPU ranks use collectives=process_group"),
-        ("model.vocab=100", "but model.vocab is 100"),
-        ("trainer.accumulation=0", "trainer.accumulation=0: must be a whole number >= 1"),
-        ("data.val_fraction=1.5", "data.val_fraction=1.5: must be between 0 and 1"),
-        ("trainer.compile=yes", "trainer.compile='yes': must be true or false"),
-        ("trainer.gather_per_block=1", "trainer.gather_per_block=1: must be true or false"),
-        (
-            "trainer.backward_on_calling_thread=on",
-            "trainer.backward_on_calling_thread='on': must be true or false",
-        ),
-        ("mesh=[1,1,3]", "tp=3, but the policy has no tp rules"),
-        ("mesh=[1,1,3] policy=tp", "tp=3 does not divide model.heads=4"),
-        ("mesh=[1,2,0]", "every size must be a whole number >= 1"),
-        ("mesh=[1,1,1,2]", "give two sizes, [dp, gtp], or three, [dp, gtp, tp]"),
-        ("expert_mesh=[3,1]", "expert_mesh=[3, 1]: ep x egtp must divide nproc=2"),
-        ("expert_mesh=[2]", "expert_mesh=[2]: give two whole numbers >= 1, [ep, egtp]"),
-        ("optimizer=muon optimizer.adjust_lr_fn=rms", "optimizer=muon: Muon: adjust_lr_fn='rms'"),
-        ("model.init=lazy", "model.init='lazy': use auto, meta or full"),
-        ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore': use raise or skip"),
-        ("init_from=/no/such.safetensors", "init_from='/no/such.safetensors' does not exist"),
-    ],
-)
+BAD_INPUT = [
+    ("bogus_option=1", "Could not override 'bogus_option'"),
+    ("+policy.min_shard=3", "unknown GTPPolicy field(s) ['min_shard']"),
+    ("nproc=4096", "nproc=4096 but this machine has"),
+    ("data.path=/no/such/file.txt", "does not exist; give a text file (its bytes are the"),
+    ("mesh=[3,1]", "mesh=[3, 1] does not multiply to nproc=2"),
+    ("device=tpu", "device='tpu': use auto"),
+    ("mesh=[2]", "give two sizes, [dp, gtp]"),
+    ("policy=copy_engine", "on CPU ranks use collectives=process_group"),
+    ("model.vocab=100", "but model.vocab is 100"),
+    ("trainer.accumulation=0", "trainer.accumulation=0: must be a whole number >= 1"),
+    ("data.val_fraction=1.5", "data.val_fraction=1.5: must be between 0 and 1"),
+    ("trainer.compile=yes", "trainer.compile='yes': must be true or false"),
+    ("trainer.gather_per_block=1", "trainer.gather_per_block=1: must be true or false"),
+    (
+        "trainer.backward_on_calling_thread=on",
+        "trainer.backward_on_calling_thread='on': must be true or false",
+    ),
+    ("mesh=[1,1,3]", "tp=3, but the policy has no tp rules"),
+    ("mesh=[1,1,3] policy=tp", "tp=3 does not divide model.heads=4"),
+    ("mesh=[1,2,0]", "every size must be a whole number >= 1"),
+    ("mesh=[1,1,1,2]", "give two sizes, [dp, gtp], or three, [dp, gtp, tp]"),
+    ("expert_mesh=[3,1]", "expert_mesh=[3, 1]: ep x egtp must divide nproc=2"),
+    ("expert_mesh=[2]", "expert_mesh=[2]: give two whole numbers >= 1, [ep, egtp]"),
+    ("optimizer=muon optimizer.adjust_lr_fn=rms", "optimizer=muon: Muon: adjust_lr_fn='rms'"),
+    ("model.init=lazy", "model.init='lazy': use auto, meta or full"),
+    ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore': use raise or skip"),
+    ("init_from=/no/such.safetensors", "init_from='/no/such.safetensors' does not exist"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_INPUT)
 def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:
-    proc = _train(*override.split(), f"out_dir={tmp_path}", timeout=60)
-    assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-2000:]
-    assert not (tmp_path / "checkpoints").exists()
+    got = _refusals(str(tmp_path.parent))[override]
+    assert got["code"] not in (0, None)
+    assert message in got["stderr"], got["stderr"][-2000:]
+    index = [o for o, _ in BAD_INPUT].index(override)
+    assert not (tmp_path.parent / "refused" / str(index) / "checkpoints").exists()
+
+
+@functools.cache
+def _refusals(root: str) -> dict[str, dict]:
+    """Each bad override's gtp-train run, all in one process (tests/refusals.py), by override."""
+    overrides = [o for o, _ in BAD_INPUT]
+    runs = [[*FAST, *o.split(), f"out_dir={root}/refused/{i}"] for i, o in enumerate(overrides)]
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "refusals.py"), json.dumps(runs)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip(overrides, json.loads(proc.stdout.splitlines()[-1]), strict=True))
 
 
 def test_a_non_finite_step_raises_or_is_skipped(tmp_path: Path) -> None:
