@@ -1,4 +1,4 @@
-# Issue 21, one GPU, one call of about 5 minutes: where gtp_blocks' step at 125M batch 1 spends
+# Issue 21, one GPU, one call of about 4 minutes: where gtp_blocks' step at 125M batch 1 spends
 # what the floor's does not. floor_per_param is the floor with its AdamW over one tensor per
 # parameter, as GTP's shards are, so gtp_blocks / floor_per_param is the engine's share alone.
 # Then the compiled steps of this tree.
@@ -7,7 +7,7 @@
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 for run in "eager 110 200 floor floor_per_param gtp_blocks amp" \
-           "compiled 200 150 floor_compile gtp_compile amp_compile"; do
+           "compiled 150 100 floor_compile gtp_compile amp_compile"; do
   set -- $run
   name=$1 limit=$2 cycles=$3; shift 3
   timeout $limit python3 benchmarks/paired_steps.py --model 125M --batch 1 --fused-adamw \
