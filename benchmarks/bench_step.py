@@ -11,8 +11,9 @@ length and seed, with AdamW (foreach, or fused with --fused-adamw):
   floor without host overhead, the reference for gtp_graph (at batch 1 the eager floor's step
   time moves with the host's speed);
 - floor_per_param: the floor with its AdamW over one fp32 tensor per parameter (each 1/N of it)
-  instead of one flat shard: the optimizer's host time per tensor, which GTP's shards and every
-  unflattened model pay, apart from the engine's;
+  instead of one flat shard: the optimizer's host time per tensor, which GTP's parameters and
+  every unflattened model pay, apart from the engine's (GTP leaves parameters under its
+  min_shard_numel whole, so at a world above one its tensors are not all 1/N);
 - ddp: fp32 parameters, bf16 autocast, DistributedDataParallel;
 - amp, amp_compile: the model as plain PyTorch trains it in mixed precision on one GPU, no GTP,
   no DDP: fp32 parameters, bf16 autocast, AdamW over its parameters (amp_compile: every block
@@ -60,7 +61,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from host_probe import HostProbe
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -104,6 +105,21 @@ def _adamw(params: Any, fused: bool, capturable: bool = False) -> torch.optim.Ad
     return torch.optim.AdamW(params, lr=1e-4, fused=fused or None, capturable=capturable)
 
 
+_meshes: dict[tuple[Any, str, int], DeviceMesh] = {}
+
+
+def _dp_mesh(device: torch.device, dp: int) -> DeviceMesh:
+    """The ("dp", "gtp") mesh of `dp` replicas over the world, made once per process group:
+    each method's build would otherwise add process groups."""
+    world = dist.get_world_size()
+    key = (dist.group.WORLD, device.type, dp)
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh(
+            device.type, (dp, world // dp), mesh_dim_names=("dp", "gtp")
+        )
+    return _meshes[key]
+
+
 def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overrides: dict,
            fused_adamw: bool = False, lib: types.ModuleType = gtp_wrap,
            dp: int = 1):  # fmt: skip
@@ -112,7 +128,6 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
     methods wrap with (step_phases.py's --baseline loads another commit's under another name).
     `dp` > 1: GTP on a ("dp", "gtp") mesh and FSDP2 as HSDP (replicated over dp, sharded
     within each group of `world // dp` ranks)."""
-    shards = world // dp
     if method.startswith("floor"):
         model = _model(cfg, device, torch.bfloat16)
         if method == "floor_compile":
@@ -122,12 +137,12 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
             if method == "floor_per_param"
             else [cfg.n_params]
         )
-        shards = [
-            torch.zeros(math.ceil(n / shards), device=device, requires_grad=True) for n in sizes
+        tensors = [
+            torch.zeros(math.ceil(n * dp / world), device=device, requires_grad=True) for n in sizes
         ]
-        for shard in shards:
-            shard.grad = torch.zeros_like(shard)
-        return model, _adamw(shards, fused_adamw, method == "floor_graph"), None
+        for t in tensors:
+            t.grad = torch.zeros_like(t)
+        return model, _adamw(tensors, fused_adamw, method == "floor_graph"), None
     model = _model(cfg, device, torch.float32)
     if method.startswith("amp"):
         if method == "amp_compile":
@@ -140,12 +155,9 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         return model, _adamw(model.parameters(), fused_adamw), torch.bfloat16
     if method.startswith("fsdp2"):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        # On `device`'s type: FSDP2's default mesh is on a GPU wherever one is present.
-        mesh = (
-            init_device_mesh(device.type, (dp, shards), mesh_dim_names=("dp", "shard"))
-            if dp > 1
-            else init_device_mesh(device.type, (world,))
-        )
+        # On `device`'s type: FSDP2's default mesh is on a GPU wherever one is present. A 2-D
+        # mesh makes it HSDP: replicated over the first dim, sharded over the second.
+        mesh = _dp_mesh(device, dp) if dp > 1 else init_device_mesh(device.type, (world,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
             if method == "fsdp2_compile":  # FSDP2's hooks run eagerly around the compiled code
@@ -160,7 +172,7 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         policy["fp8_matmul"] = method == "gtp_fp8_gemm"
     if cfg.d < 512:
         policy["min_shard_numel"] = 0
-    lib.GTPWrap(model, policy, mesh=lib.make_mesh(dp=dp)[0] if dp > 1 else None)
+    lib.GTPWrap(model, policy, mesh=_dp_mesh(device, dp) if dp > 1 else None)
     if method == "gtp_compile":
         lib.compile(model)
     if method == "gtp_blocks":
@@ -402,7 +414,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS)
     ap.add_argument("--dp", type=int, default=1,
                     help="data-parallel replicas: gtp methods on a (dp, world/dp) mesh, fsdp2 "
-                    "as HSDP over the same split (ddp and the floors as without)")  # fmt: skip
+                    "as HSDP over the same split, the floors stepping 1/(world/dp); ddp as "
+                    "without")  # fmt: skip
     ap.add_argument("--plan", default=None,
                     help="model:batches;... (models: " + ", ".join(MODELS) + "); default "
                     "1.36B:1,4,8;125M:1,8, with --smoke smoke:2")  # fmt: skip
@@ -438,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _bench_rank(device: torch.device, args: argparse.Namespace) -> None:
-    if dist.get_world_size() % args.dp:
+    if args.dp < 1 or dist.get_world_size() % args.dp:
         raise SystemExit(f"--dp {args.dp} does not divide the world of {dist.get_world_size()}")
     rows = run(device, args)
     if dist.get_rank() == 0:

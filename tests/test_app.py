@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -206,26 +205,31 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize(("override", "message"), BAD_INPUT)
-def test_bad_input_is_refused_before_training(override: str, message: str, tmp_path) -> None:
-    got = _refusals(str(tmp_path.parent))[override]
-    assert got["code"] not in (0, None)
-    assert message in got["stderr"], got["stderr"][-2000:]
-    index = [o for o, _ in BAD_INPUT].index(override)
-    assert not (tmp_path.parent / "refused" / str(index) / "checkpoints").exists()
-
-
-@functools.cache
-def _refusals(root: str) -> dict[str, dict]:
-    """Each bad override's gtp-train run, all in one process (tests/refusals.py), by override."""
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    """Each bad override's gtp-train run, all in one process (tests/refusals.py), by override,
+    and the folder of their out_dirs (one per override, by its index in BAD_INPUT)."""
+    root = tmp_path_factory.mktemp("refused")
     overrides = [o for o, _ in BAD_INPUT]
-    runs = [[*FAST, *o.split(), f"out_dir={root}/refused/{i}"] for i, o in enumerate(overrides)]
+    runs = [[*FAST, *o.split(), f"out_dir={root}/{i}"] for i, o in enumerate(overrides)]
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "refusals.py"), json.dumps(runs)],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(zip(overrides, json.loads(proc.stdout.splitlines()[-1]), strict=True))
+    return root, dict(zip(overrides, json.loads(proc.stdout.splitlines()[-1]), strict=True))
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_INPUT)
+def test_bad_input_is_refused_before_training(
+    override: str, message: str, refusals: tuple[Path, dict[str, dict]]
+) -> None:
+    root, runs = refusals
+    got = runs[override]
+    assert got["code"] not in (0, None)
+    assert message in got["stderr"], got["stderr"][-2000:]
+    index = [o for o, _ in BAD_INPUT].index(override)
+    assert not (root / str(index) / "checkpoints").exists()
 
 
 def test_a_non_finite_step_raises_or_is_skipped(tmp_path: Path) -> None:

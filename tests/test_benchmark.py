@@ -82,14 +82,23 @@ def _dp_builds(rank: int, world: int) -> dict:
             }
             stats = gtp_wrap.stats(model)
             out["gtp_collectives"] = stats["gathers"] > 0, stats["reduce_scatters"] > 0
+            out["gtp_after_step"] = [p.detach().clone() for p in model.parameters()]
     return out
 
 
 def test_dp_runs_gtp_on_a_dp_gtp_mesh_and_fsdp2_as_hsdp() -> None:
     """bench_step --dp 2 on 4 ranks: GTP shards over 2 ranks and averages over 2 replicas,
-    FSDP2 is HSDP on the same split, the floor steps half of the parameters."""
+    FSDP2 is HSDP on the same split, the floor steps half of the parameters. Each rank trains
+    on a batch of its own, so a replica's shards equal its twin's after a step only if their
+    gradients were averaged over dp."""
     cfg = _benchmark_module("bench_step").MODELS["smoke"]
-    got = run_ranks(_dp_builds, 4, timeout=180)[0]
+    ranks = run_ranks(_dp_builds, 4, timeout=180)
+    got = ranks[0]
+    # Ranks [[0, 1], [2, 3]]: 0 and 2 hold the same rows, 0 and 1 different ones.
+    after = [r["gtp_after_step"] for r in ranks]
+    assert all(torch.equal(a, b) for a, b in zip(after[0], after[2], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(after[1], after[3], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(after[0], after[1], strict=True))
     assert got["floor"] == [-(-cfg.n_params // 2)]
     assert set(got["fsdp2_mesh"]) == {((2, 2), "(Replicate(), Shard(dim=0))")}
     assert got["gtp_axes"] == {(2, 2)}

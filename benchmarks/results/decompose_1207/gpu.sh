@@ -5,6 +5,7 @@
 #   bash benchmarks/results/decompose_1207/gpu.sh      (carry .whl)
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
+RC=0
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 for run in "eager 110 200 floor floor_per_param gtp_blocks amp" \
            "compiled 150 100 floor_compile gtp_compile amp_compile"; do
@@ -12,5 +13,7 @@ for run in "eager 110 200 floor floor_per_param gtp_blocks amp" \
   name=$1 limit=$2 cycles=$3; shift 3
   timeout $limit python3 benchmarks/paired_steps.py --model 125M --batch 1 --fused-adamw \
     --cycles $cycles --methods "$@" --out $OUT/$name.json > $OUT/$name.log 2>&1
-  echo "$name rc=$?"; tail -7 $OUT/$name.log
+  rc=$?; echo "$name rc=$rc"; tail -7 $OUT/$name.log
+  [ $rc -gt $RC ] && RC=$rc
 done
+exit $RC

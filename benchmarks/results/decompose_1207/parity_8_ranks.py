@@ -19,6 +19,7 @@ def cases(rank: int, world: int, dp: int) -> dict:
 
 
 if __name__ == "__main__":
+    failed = False
     for world, dp in ((8, 1), (8, 2)):
         start = time.time()
         results = cached_ranks(cases, world, dp, timeout=600)
@@ -36,3 +37,5 @@ if __name__ == "__main__":
                     break
         took = time.time() - start
         print(f"world {world}, dp {dp}: {len(CASES)} cases, {took:.0f} s, failed: {bad}")
+        failed = failed or bool(bad)
+    sys.exit(1 if failed else 0)
