@@ -377,6 +377,7 @@ def test_host_fit_reproduces_the_host_bound_steps_it_is_fitted_to() -> None:
     cal = _benchmark_module("calibrate")
     from gtp_wrap.scaling import validate
     from gtp_wrap.scaling.cluster import cluster_from_dict
+    from gtp_wrap.scaling.predict import predict
 
     raw = json.loads((ROOT / "benchmarks/calibration/h100.json").read_text())
     probe = raw["host_probe_ms"]["value"]
@@ -406,7 +407,14 @@ def test_host_fit_reproduces_the_host_bound_steps_it_is_fitted_to() -> None:
         validate.predicted_ms(cluster, dict(floor, host_probe_ms=k * probe)) for k in (1, 2, 3, 4)
     ]
     measured = floor["measured_ms"]
-    assert 1.8 * measured < at[1] <= 2 * measured  # the host's time doubled, the device's not
+    # A doubled probe adds the host's whole time at the calibration's speed (what each further
+    # probe's worth adds, below), and leaves the device's time as it was.
+    assert at[1] == pytest.approx(measured + at[3] - at[2], rel=0.01)
+    one, two = (
+        predict(validate.plan_of(cluster, dict(floor, host_probe_ms=k * probe))[0], "floor")
+        for k in (1, 2)
+    )
+    assert two.compute == pytest.approx(one.compute) and one.compute > 0
     # Once the host alone sets the step, each further probe's worth adds the same host time.
     assert at[3] - at[2] == pytest.approx(at[2] - at[1], rel=1e-6)
 
