@@ -108,15 +108,14 @@ def _adamw(params: Any, fused: bool, capturable: bool = False) -> torch.optim.Ad
 _meshes: dict[tuple[Any, str, int], DeviceMesh] = {}
 
 
-def _dp_mesh(device: torch.device, dp: int) -> DeviceMesh:
-    """The ("dp", "gtp") mesh of `dp` replicas over the world, made once per process group:
-    each method's build would otherwise add process groups."""
+def _mesh(device: torch.device, dp: int) -> DeviceMesh:
+    """The mesh of `dp` replicas over the world, ("dp", "gtp") (1-D without replicas), made
+    once per process group: each method's build would otherwise add process groups."""
     world = dist.get_world_size()
     key = (dist.group.WORLD, device.type, dp)
     if key not in _meshes:
-        _meshes[key] = init_device_mesh(
-            device.type, (dp, world // dp), mesh_dim_names=("dp", "gtp")
-        )
+        shape, names = ((dp, world // dp), ("dp", "gtp")) if dp > 1 else ((world,), ("gtp",))
+        _meshes[key] = init_device_mesh(device.type, shape, mesh_dim_names=names)
     return _meshes[key]
 
 
@@ -157,7 +156,7 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         # On `device`'s type: FSDP2's default mesh is on a GPU wherever one is present. A 2-D
         # mesh makes it HSDP: replicated over the first dim, sharded over the second.
-        mesh = _dp_mesh(device, dp) if dp > 1 else init_device_mesh(device.type, (world,))
+        mesh = _mesh(device, dp)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
             if method == "fsdp2_compile":  # FSDP2's hooks run eagerly around the compiled code
@@ -172,7 +171,7 @@ def _build(method: str, cfg: GPTConfig, device: torch.device, world: int, overri
         policy["fp8_matmul"] = method == "gtp_fp8_gemm"
     if cfg.d < 512:
         policy["min_shard_numel"] = 0
-    lib.GTPWrap(model, policy, mesh=_dp_mesh(device, dp) if dp > 1 else None)
+    lib.GTPWrap(model, policy, mesh=_mesh(device, dp) if dp > 1 else None)
     if method == "gtp_compile":
         lib.compile(model)
     if method == "gtp_blocks":

@@ -22,9 +22,9 @@ FAST = ["device=cpu", "trainer.batch=4", "trainer.seq=32", "trainer.eval_every=0
         "trainer.eval_batches=1"]  # fmt: skip
 
 
-def _train(*overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _train(*overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "gtp_wrap.app.train", *FAST, *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 
 
 def _metrics(run_dir: Path) -> dict:
