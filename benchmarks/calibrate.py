@@ -642,16 +642,26 @@ def measure_use_us(device: torch.device, policy: dict | None = None) -> float:
 
     x = torch.randn(8, 64, device=device)
     times = []
-    for wrap in (False, True):
-        net = build(wrap)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # Note: one intra-op thread. With more, an op's thread-pool barrier may spin on the
+        # calling thread while a descheduled worker waits for a core, and thread_time counts
+        # the spin: the likely reason a CI run on two loaded cores timed the plain step
+        # 360 ms above the wrapped one, a negative time per use.
+        torch.set_num_threads(1)
+    try:
+        for wrap in (False, True):
+            net = build(wrap)
 
-        def step(net=net) -> None:
-            net(x).sum().backward()
-            for p in net.parameters():
-                p.grad = None
+            def step(net=net) -> None:
+                net(x).sum().backward()
+                for p in net.parameters():
+                    p.grad = None
 
-        clock = time.perf_counter if device.type == "cuda" else time.thread_time
-        times.append(timed(step, device, 50, warmup=5, clock=clock))
+            clock = time.perf_counter if device.type == "cuda" else time.thread_time
+            times.append(timed(step, device, 50, warmup=5, clock=clock))
+    finally:
+        torch.set_num_threads(threads)
     return (times[1] - times[0]) / 32 * 1e6  # a forward use and a backward re-gather per weight
 
 
