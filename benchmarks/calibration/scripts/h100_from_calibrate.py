@@ -4,9 +4,18 @@
 
 The first JSON gives every rate calibrate.py measures on one GPU (GEMMs, attention, HBM,
 elementwise bytes, per-layer overhead, the host's costs and its probe) and its runs: the plain
-model's graphed steps and the world-1 gtp_blocks step that `host.block_us` is fitted to are the
-calibration set, every other run is held out. Later JSONs (other
-calls on H100s) add all their runs, held out. What one H100 cannot measure is taken
+model's graphed steps and the host-bound steps the host costs are fitted to (`"fits"`) are the
+calibration set, every other run is held out. Later JSONs (other calls on H100s) add all their
+runs, held out. h100.json was last built as
+
+    R=benchmarks/results
+    python benchmarks/calibration/scripts/h100_from_calibrate.py \
+        $R/host_fit_1206/h100_calibrated.json $R/gemm_l2_1206/h100_calibrated_instep.json \
+        $R/gemm_l2_1206/h100_calibrated_instep_b.json \
+        $R/gemm_l2_1206/h100_calibrated_instep_c.json \
+        $R/h100_1206/h100_calibrated_d.json $R/h100_1206/h100_calibrated.json \
+        $R/h100_1205/h100_calibrated.json
+ What one H100 cannot measure is taken
 from benchmarks/calibration/h200.json and says so in its source: the NVLink curves (an HGX H100
 has the H200's NVLink 4 and NVSwitch, 900 GB/s per GPU), the GEMM-beside-all-gather contention,
 the inter-node links (nominal there too) and the FP8/NVFP4 decode kernels (memory-bound kernels,
