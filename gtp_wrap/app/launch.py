@@ -86,14 +86,25 @@ def run_rank(fn: Callable, args: tuple, cpu: bool = False) -> Any:
 def launch(
     fn: Callable, nproc: int, *args: Any, cpu: bool = False, oversubscribe: bool = False
 ) -> None:
-    """Run `fn(device, *args)` on every rank: in this process under torchrun, else spawned.
-    Ranks take one GPU each where there are GPUs, unless `cpu`; `oversubscribe` lets CPU
-    ranks outnumber the cores (for counts and memory, whose figures do not depend on it)."""
+    """Run `fn(device, *args)` on every rank: in this process under torchrun, else in `nproc`
+    new processes. Ranks take one GPU each where there are GPUs, unless `cpu`; `oversubscribe`
+    lets CPU ranks outnumber the cores (for counts and memory, whose figures do not depend on
+    it)."""
     if under_torchrun():
         run_rank(fn, args, cpu)
         return
     if not (cpu and oversubscribe):
         check_local_devices(nproc, cpu)
+    # Note: forked ranks where the machine has no CUDA. A spawned rank starts a new interpreter
+    # and imports torch and gtp_wrap again, about 4 s of a two-rank CPU run's 12 (2 steps, 2
+    # cores): forked, it starts with this process's imports and the run takes 8 s. gtp-train
+    # has then checked its config with a few tiny tensors at most (calibrate.py's CPU steps
+    # run on one thread) and started no thread or process group of its own, as a DataLoader
+    # forks its workers after importing torch; each rank sets up its own group, thread count
+    # and logging. CUDA cannot be
+    # used in a process forked after it was initialized, which torch.cuda.is_available() may
+    # do, so a machine with GPUs spawns its ranks, CPU ones included.
+    start = "spawn" if torch.cuda.is_available() else "fork"
     mp.start_processes(
-        _rank_entry, args=(fn, nproc, _free_port(), args, cpu), nprocs=nproc, start_method="spawn"
+        _rank_entry, args=(fn, nproc, _free_port(), args, cpu), nprocs=nproc, start_method=start
     )
