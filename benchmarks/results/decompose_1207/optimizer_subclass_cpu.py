@@ -1,0 +1,97 @@
+"""Where the wrapped optimizer step's extra 6-10 % on CPU went (RESULTS.md, 2026-12-07, second
+session): a subclass of nn.Parameter whose `__torch_function__` is torch's disabled
+implementation, as GTPParameter's is during a step, against nn.Parameter (`.grad` and
+`torch.is_complex` per call; fused and foreach AdamW over 86 parameters of 64x64), then the
+fused AdamW step of the tiny GPT wrapped (gtp_blocks) against the plain model (amp) and
+against itself inside torch's DisableTorchFunctionSubclass, interleaved, median of 400.
+
+    python benchmarks/results/decompose_1207/optimizer_subclass_cpu.py
+"""
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+import bench_step  # noqa: E402
+
+
+class Sub(torch.nn.Parameter):
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def median_us(step: Callable[[], object], n: int) -> float:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[n // 2] * 1e6
+
+
+def per_call_ns(fn: Callable[[], object], n: int = 100_000) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e9
+
+
+def adamw(cls: type, fused: bool) -> torch.optim.Optimizer:
+    params = [cls(torch.zeros(64, 64)) for _ in range(86)]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused, foreach=None if fused else True)
+    for _ in range(20):
+        opt.step()
+    return opt
+
+
+def subclass_against_parameter() -> None:
+    for cls in (torch.nn.Parameter, Sub):
+        p = cls(torch.zeros(4))
+        p.grad = torch.zeros(4)
+        print(f"{cls.__name__}: .grad {per_call_ns(lambda p=p: p.grad):.0f} ns,",
+              f"is_complex {per_call_ns(lambda p=p: torch.is_complex(p)):.0f} ns")  # fmt: skip
+    for fused in (True, False):
+        plain, sub = adamw(torch.nn.Parameter, fused), adamw(Sub, fused)
+        rounds = [(median_us(plain.step, 200), median_us(sub.step, 200)) for _ in range(5)]
+        print("fused" if fused else "foreach", "AdamW, 86 parameters, µs (Parameter, Sub):",
+              [(round(a), round(b)) for a, b in rounds])  # fmt: skip
+
+
+def wrapped_against_plain() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cfg = dataclasses.replace(bench_step.MODELS["125M"], d=64, heads=2, vocab=256, ffn=128)
+    cpu = torch.device("cpu")
+    optims = {}
+    for method in ("amp", "gtp_blocks"):
+        model, optim, autocast = bench_step._build(method, cfg, cpu, 1, {}, True)
+        idx = bench_step.batch_of(cfg, 1, 16, cpu)
+        bench_step.train_step(model, optim, autocast)(idx[:, :-1], idx[:, 1:])
+        optims[method] = optim
+
+    def unchecked() -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            optims["gtp_blocks"].step()
+
+    steps = {"amp": optims["amp"].step, "gtp_blocks": optims["gtp_blocks"].step,
+             "gtp_blocks, subclass check off": unchecked}  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(400):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    for name in steps:
+        print(f"{name} step: {sorted(times[name])[200] * 1e6:.0f} µs (median of 400)")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    subclass_against_parameter()
+    wrapped_against_plain()
