@@ -168,15 +168,21 @@ def _steps_without_interception(rank: int, world: int) -> dict:
     diff = max((got[k] - full[k]).abs().max().item() for k in full)
     model(torch.randn(2, 8)).sum().backward()
     clip = caught(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-    # An optimizer over a parameter whose class keeps its own __torch_function__ steps with
-    # torch's check on, so that function still runs in the step.
+    # An optimizer over a parameter, or holding state, whose class keeps its own
+    # __torch_function__ steps with torch's check on, so that function still runs in the step.
     logged = _Logged(torch.zeros(3))
     logged.grad = torch.ones(3)
     other = _ProbeSGD([logged])
     other.step()
+    plain = nn.Parameter(torch.zeros(3))
+    plain.grad = torch.ones(3)
+    with_state = _ProbeSGD([plain])
+    with_state.state[plain]["extra"] = _Logged(torch.zeros(1))
+    with_state.step()
     return {"plain": opt.plain, **intercepting, "clip": clip, "diff": diff,
             "checked_in_step": opt.checked, "checked": checked,
-            "other_checked": other.checked, "other_calls": _Logged.calls}  # fmt: skip
+            "other_checked": other.checked + with_state.checked,
+            "other_calls": _Logged.calls}  # fmt: skip
 
 
 class _Logged(nn.Parameter):
@@ -204,7 +210,7 @@ def test_optimizer_steps_run_without_interception() -> None:
         # next forward opens a pass.
         assert got["checked_in_step"] == [False, False, False]
         assert got["checked"] == {"after_step": [True, False, True], "forward": [True] * 4}
-        assert got["other_checked"] == [True] and got["other_calls"] > 0
+        assert got["other_checked"] == [True, True] and got["other_calls"] > 0
 
 
 class _Checkpointed(nn.Module):

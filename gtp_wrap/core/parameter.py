@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import itertools
 import sys
 import types
 
@@ -283,7 +284,7 @@ class _OptimizerSteps:
     its plain model. Inside the step, torch's thread-local switch for subclasses
     (`DisableTorchFunctionSubclass`) skips the check, and the wrapped step is then as fast as
     the plain one. It is entered only for the step itself (ended by the post-hook), only while
-    interception is off, and only for an optimizer none of whose parameters has a
+    interception is off, and only for an optimizer none of whose parameters and state has a
     `__torch_function__` of its own to keep. A step that raises leaves it on until
     interception resumes, with the rest of this state.
     """
@@ -321,14 +322,16 @@ class _OptimizerSteps:
 
 
 def _no_overrides(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether no parameter of `optimizer` has a `__torch_function__` that would run in its
-    step: each is exactly a Tensor, or its class has the disabled implementation (nn.Parameter,
-    DTensor, GTPParameter with interception off)."""
-    return all(
-        type(p) is torch.Tensor or type(p).__torch_function__ is _plain
-        for group in optimizer.param_groups
-        for p in group["params"]
-    )
+    """Whether no tensor of `optimizer`, parameter or state, has a `__torch_function__` that
+    would run in its step: each is exactly a Tensor, or its class has the disabled
+    implementation (nn.Parameter, DTensor, GTPParameter with interception off)."""
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    state = (v for per_param in optimizer.state.values() for v in per_param.values())
+    return all(_without_override(type(t)) for t in itertools.chain(params, state))
+
+
+def _without_override(cls: type) -> bool:
+    return cls is torch.Tensor or getattr(cls, "__torch_function__", _plain) is _plain
 
 
 def resume_in_backward(output: object) -> None:
