@@ -11,6 +11,7 @@ import io
 import pstats
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,12 +39,9 @@ def adamw_us(params: list[torch.nn.Parameter], fused: bool) -> float:
     return median_us(opt.step, 300)
 
 
-if __name__ == "__main__":
-    for fused in (True, False):
-        many = [torch.nn.Parameter(torch.zeros(8)) for _ in range(86)]
-        one = [torch.nn.Parameter(torch.zeros(86 * 8))]
-        print("fused" if fused else "foreach", f"86: {adamw_us(many, fused):.0f} us,",
-              f"1: {adamw_us(one, fused):.0f} us")  # fmt: skip
+def tiny_gpt_optimizers() -> dict[str, torch.optim.Optimizer]:
+    """The fused AdamW of the tiny GPT plain (amp) and wrapped (gtp_blocks), each after one
+    training step, in a world of one."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     cfg = dataclasses.replace(bench_step.MODELS["125M"], d=64, heads=2, vocab=256, ffn=128)
     cpu = torch.device("cpu")
@@ -53,14 +51,30 @@ if __name__ == "__main__":
         idx = bench_step.batch_of(cfg, 1, 16, cpu)
         bench_step.train_step(model, optim, autocast)(idx[:, :-1], idx[:, 1:])
         optims[method] = optim
-    times: dict[str, list[float]] = {m: [] for m in optims}
-    for _ in range(400):
-        for method, optim in optims.items():
+    return optims
+
+
+def interleaved_medians(steps: dict[str, Callable[[], object]], n: int = 400) -> None:
+    """Print each step's median time over `n` rounds, the steps taking turns."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(n):
+        for name, step in steps.items():
             start = time.perf_counter()
-            optim.step()
-            times[method].append(time.perf_counter() - start)
+            step()
+            times[name].append(time.perf_counter() - start)
+    for name in steps:
+        print(f"{name} step: {sorted(times[name])[n // 2] * 1e6:.0f} us (median of {n})")
+
+
+if __name__ == "__main__":
+    for fused in (True, False):
+        many = [torch.nn.Parameter(torch.zeros(8)) for _ in range(86)]
+        one = [torch.nn.Parameter(torch.zeros(86 * 8))]
+        print("fused" if fused else "foreach", f"86: {adamw_us(many, fused):.0f} us,",
+              f"1: {adamw_us(one, fused):.0f} us")  # fmt: skip
+    optims = tiny_gpt_optimizers()
+    interleaved_medians({method: optim.step for method, optim in optims.items()})
     for method, optim in optims.items():
-        print(f"{method} step: {sorted(times[method])[200] * 1e6:.0f} us (median of 400)")
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(50):
@@ -68,4 +82,4 @@ if __name__ == "__main__":
         profile.disable()
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(8)
-        print(out.getvalue())
+        print(method, out.getvalue())

@@ -8,30 +8,19 @@ against itself inside torch's DisableTorchFunctionSubclass, interleaved, median 
     python benchmarks/results/decompose_1207/optimizer_subclass_cpu.py
 """
 
-import dataclasses
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parents[2]))
-import bench_step  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from optimizer_cpu import interleaved_medians, median_us, tiny_gpt_optimizers  # noqa: E402
 
 
 class Sub(torch.nn.Parameter):
     __torch_function__ = torch._C._disabled_torch_function_impl
-
-
-def median_us(step: Callable[[], object], n: int) -> float:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[n // 2] * 1e6
 
 
 def per_call_ns(fn: Callable[[], object], n: int = 100_000) -> float:
@@ -65,30 +54,14 @@ def subclass_against_parameter() -> None:
 
 
 def wrapped_against_plain() -> None:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    cfg = dataclasses.replace(bench_step.MODELS["125M"], d=64, heads=2, vocab=256, ffn=128)
-    cpu = torch.device("cpu")
-    optims = {}
-    for method in ("amp", "gtp_blocks"):
-        model, optim, autocast = bench_step._build(method, cfg, cpu, 1, {}, True)
-        idx = bench_step.batch_of(cfg, 1, 16, cpu)
-        bench_step.train_step(model, optim, autocast)(idx[:, :-1], idx[:, 1:])
-        optims[method] = optim
+    optims = tiny_gpt_optimizers()
 
     def unchecked() -> None:
         with torch._C.DisableTorchFunctionSubclass():
             optims["gtp_blocks"].step()
 
-    steps = {"amp": optims["amp"].step, "gtp_blocks": optims["gtp_blocks"].step,
-             "gtp_blocks, subclass check off": unchecked}  # fmt: skip
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(400):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    for name in steps:
-        print(f"{name} step: {sorted(times[name])[200] * 1e6:.0f} µs (median of 400)")
+    interleaved_medians({"amp": optims["amp"].step, "gtp_blocks": optims["gtp_blocks"].step,
+                         "gtp_blocks, subclass check off": unchecked})  # fmt: skip
 
 
 if __name__ == "__main__":
