@@ -229,3 +229,28 @@ def test_data_path_directory(tmp_path: Path) -> None:
         load_tokens(DataConfig(path=str(tmp_path / "empty")))
     with pytest.raises(DataError, match="does not exist; give a text file .* a directory of text"):
         load_tokens(DataConfig(path=str(tmp_path / "missing")))
+
+
+def test_ranks_fork_only_from_a_launcher_without_threads_or_a_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """See [Note: forked ranks]: on a Linux machine without CUDA a launcher with one thread and
+    no process group forks its ranks; another Python thread, a process group, CUDA or another
+    platform makes it spawn them."""
+    from gtp_wrap.app import launch
+
+    monkeypatch.setattr(launch.sys, "platform", "linux")
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(launch.threading, "active_count", lambda: 1)
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
+    assert launch._start_method() == "fork"
+    for module, name, value in (
+        (launch.threading, "active_count", lambda: 2),
+        (launch.dist, "is_initialized", lambda: True),
+        (launch.torch.cuda, "is_available", lambda: True),
+    ):
+        with monkeypatch.context() as m:
+            m.setattr(module, name, value)
+            assert launch._start_method() == "spawn", name
+    monkeypatch.setattr(launch.sys, "platform", "darwin")
+    assert launch._start_method() == "spawn"

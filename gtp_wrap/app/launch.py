@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +61,10 @@ def _rank_entry(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
+    # A forked rank inherits the launcher's logging (Hydra's console and train.log handlers);
+    # a spawned one starts with none, as gtp-train's ranks expect (rank 0 sets up its own).
+    logging.root.handlers.clear()
+    logging.root.setLevel(logging.WARNING)
     run_rank(fn, args, cpu)
 
 
@@ -83,6 +90,29 @@ def run_rank(fn: Callable, args: tuple, cpu: bool = False) -> Any:
         dist.destroy_process_group()
 
 
+def _start_method() -> str:
+    """How `launch` starts its ranks.
+
+    [Note: forked ranks] A spawned rank starts a new interpreter and imports torch and gtp_wrap
+    again, about 4 s of a two-rank CPU run's 12 (2 steps, 2 cores): forked, it starts with the
+    launcher's imports and the run takes 8 s. Forking is safe where the launcher has started
+    no thread and no process group of its own (gtp-train has then checked its config with a
+    few tiny tensors at most; calibrate.py's CPU steps run on one thread), as a DataLoader
+    forks its workers after importing torch; each rank then sets up its own group, thread
+    count and logging (`_rank_entry`). Otherwise the ranks are spawned: on a machine with
+    CUDA (a process forked after CUDA was initialized, which torch.cuda.is_available() may
+    do, cannot use it), off Linux (macOS forks unsafely), after the launcher joined a
+    process group, or while it runs other Python threads.
+    """
+    forkable = (
+        sys.platform == "linux"
+        and not torch.cuda.is_available()
+        and not dist.is_initialized()
+        and threading.active_count() == 1
+    )
+    return "fork" if forkable else "spawn"
+
+
 def launch(
     fn: Callable, nproc: int, *args: Any, cpu: bool = False, oversubscribe: bool = False
 ) -> None:
@@ -95,16 +125,7 @@ def launch(
         return
     if not (cpu and oversubscribe):
         check_local_devices(nproc, cpu)
-    # Note: forked ranks where the machine has no CUDA. A spawned rank starts a new interpreter
-    # and imports torch and gtp_wrap again, about 4 s of a two-rank CPU run's 12 (2 steps, 2
-    # cores): forked, it starts with this process's imports and the run takes 8 s. gtp-train
-    # has then checked its config with a few tiny tensors at most (calibrate.py's CPU steps
-    # run on one thread) and started no thread or process group of its own, as a DataLoader
-    # forks its workers after importing torch; each rank sets up its own group, thread count
-    # and logging. CUDA cannot be
-    # used in a process forked after it was initialized, which torch.cuda.is_available() may
-    # do, so a machine with GPUs spawns its ranks, CPU ones included.
-    start = "spawn" if torch.cuda.is_available() else "fork"
+    start = _start_method()  # see [Note: forked ranks]
     mp.start_processes(
         _rank_entry, args=(fn, nproc, _free_port(), args, cpu), nprocs=nproc, start_method=start
     )

@@ -10,20 +10,15 @@ parameter holding the local shard, so `named_parameters()` and any optimizer wor
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-import itertools
 import sys
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import WrapError
@@ -275,63 +270,24 @@ class _OptimizerSteps:
     step, runs a checkpoint's recompute on the shards (the shapes then disagree, or the rows
     are this rank's): start backward from the model's output, or from what it was computed
     into.
-
-    [Note: the step without torch's subclass check] The disabled implementation spares the
-    Python call, not torch's check for it: for each parameter that is not exactly a Tensor or
-    an `nn.Parameter`, each attribute read and each op looks `__torch_function__` up on the
-    instance (on CPU, `.grad` 118 → 288 ns and `is_complex` 374 → 752 ns for a subclass).
-    That was a fused AdamW step of the tiny GPT wrapped 6-10 % slower than the same step of
-    its plain model. Inside the step, torch's thread-local switch for subclasses
-    (`DisableTorchFunctionSubclass`) skips the check, and the wrapped step is then as fast as
-    the plain one. It is entered only for the step itself (ended by the post-hook), only while
-    interception is off, and only for an optimizer none of whose parameters and state has a
-    `__torch_function__` of its own to keep. A step that raises leaves it on until
-    interception resumes, with the rest of this state.
     """
 
     off = False  # whether a step switched interception off and nothing switched it back on
-    registered = False  # whether `begin` and `end` are global optimizer-step hooks yet
-    unchecked: contextlib.AbstractContextManager | None = None  # torch's switch, this step
+    registered = False  # whether `begin` is a global optimizer-step pre-hook yet
 
     @staticmethod
-    def begin(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    def begin(optimizer: object, args: object, kwargs: object) -> None:
         # Not for an optimizer stepped inside backward (from a gradient hook): uses may follow.
-        if OpenPasses.count or _graph_task_id() != -1:
-            return
-        if not _OptimizerSteps.off:
+        if not _OptimizerSteps.off and not OpenPasses.count and _graph_task_id() == -1:
             _OptimizerSteps.off = True
             GTPParameter.__torch_function__ = _plain  # type: ignore[assignment]
-        if _OptimizerSteps.unchecked is None and _no_overrides(optimizer):
-            _OptimizerSteps.unchecked = torch._C.DisableTorchFunctionSubclass()
-            _OptimizerSteps.unchecked.__enter__()
-
-    @staticmethod
-    def end(*_: object) -> None:
-        """Let torch check subclasses again, where this step's `begin` stopped it."""
-        if _OptimizerSteps.unchecked is not None:
-            _OptimizerSteps.unchecked.__exit__(None, None, None)
-            _OptimizerSteps.unchecked = None
 
     @staticmethod
     def resume(*_: object) -> None:
         """Switch interception back on, where a step switched it off."""
-        _OptimizerSteps.end()
         if _OptimizerSteps.off:
             _OptimizerSteps.off = False
             GTPParameter.__torch_function__ = _INTERCEPT  # type: ignore[method-assign]
-
-
-def _no_overrides(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether no tensor of `optimizer`, parameter or state, has a `__torch_function__` that
-    would run in its step: each is exactly a Tensor, or its class has the disabled
-    implementation (nn.Parameter, DTensor, GTPParameter with interception off)."""
-    params = (p for group in optimizer.param_groups for p in group["params"])
-    state = (v for per_param in optimizer.state.values() for v in per_param.values())
-    return all(_without_override(type(t)) for t in itertools.chain(params, state))
-
-
-def _without_override(cls: type) -> bool:
-    return cls is torch.Tensor or getattr(cls, "__torch_function__", _plain) is _plain
 
 
 def resume_in_backward(output: object) -> None:
@@ -361,7 +317,6 @@ def register_with_optimizers() -> None:
     if not _OptimizerSteps.registered:
         _OptimizerSteps.registered = True
         register_optimizer_step_pre_hook(_OptimizerSteps.begin)
-        register_optimizer_step_post_hook(_OptimizerSteps.end)
 
 
 def make_gtp_parameter(
