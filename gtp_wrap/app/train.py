@@ -258,8 +258,8 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     """One rank's training loop. `job_logging` is Hydra's logging config of the launch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0 and not logging.getLogger().handlers:
-        # A spawned rank starts with no logging set up (under torchrun Hydra has set up each
-        # process): log as the launching process does, to the console and the run's train.log.
+        # A rank that `launch` started has no logging set up (under torchrun Hydra has set up
+        # each process): log as the launching process does, to the console and train.log.
         logging.config.dictConfig(job_logging)
     out, t = Path(run_dir), cfg["trainer"]
     torch.manual_seed(cfg["seed"])
