@@ -1,4 +1,4 @@
-# Issue 21, one GPU, one call of about 4 minutes: where gtp_blocks' step at 125M batch 1 spends
+# Issue 21, one GPU, one call of about 5 minutes: where gtp_blocks' step at 125M batch 1 spends
 # what the floor's does not. floor_per_param is the floor with its AdamW over one tensor per
 # parameter, as GTP's shards are, so gtp_blocks / floor_per_param is the engine's share alone.
 # Then the compiled steps of this tree.
@@ -16,4 +16,10 @@ for run in "eager 110 200 floor floor_per_param gtp_blocks amp" \
   rc=$?; echo "$name rc=$rc"; tail -7 $OUT/$name.log
   [ $rc -gt $RC ] && RC=$rc
 done
+# The optimizer step alone, plain, wrapped, and wrapped inside torch's subclass switch: what the
+# per-parameter __torch_function__ check costs on this host (RESULTS.md, 2026-12-07, second session).
+timeout 120 python3 benchmarks/results/decompose_1207/optimizer_switch.py --model 125M \
+  > $OUT/optimizer_switch.log 2>&1
+rc=$?; echo "optimizer_switch rc=$rc"; tail -3 $OUT/optimizer_switch.log
+[ $rc -gt $RC ] && RC=$rc
 exit $RC

@@ -39,26 +39,40 @@ def adamw_us(params: list[torch.nn.Parameter], fused: bool) -> float:
     return median_us(opt.step, 300)
 
 
-def tiny_gpt_optimizers() -> dict[str, torch.optim.Optimizer]:
-    """The fused AdamW of the tiny GPT plain (amp) and wrapped (gtp_blocks), each after one
-    training step, in a world of one."""
+CPU = torch.device("cpu")
+
+
+def tiny_gpt_optimizers(
+    model: str = "tiny", device: torch.device = CPU
+) -> dict[str, torch.optim.Optimizer]:
+    """The fused AdamW of a GPT plain (amp) and wrapped (gtp_blocks), each after one training
+    step at batch 1, in a world of one: the tiny GPT (its seq 16), or bench_step's `model` (its
+    seq 2048)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    cfg = dataclasses.replace(bench_step.MODELS["125M"], d=64, heads=2, vocab=256, ffn=128)
-    cpu = torch.device("cpu")
+    if model == "tiny":
+        cfg, seq = dataclasses.replace(bench_step.MODELS["125M"], d=64, heads=2, vocab=256,
+                                       ffn=128), 16  # fmt: skip
+    else:
+        cfg, seq = bench_step.MODELS[model], 2048
     optims = {}
     for method in ("amp", "gtp_blocks"):
-        model, optim, autocast = bench_step._build(method, cfg, cpu, 1, {}, True)
-        idx = bench_step.batch_of(cfg, 1, 16, cpu)
-        bench_step.train_step(model, optim, autocast)(idx[:, :-1], idx[:, 1:])
+        net, optim, autocast = bench_step._build(method, cfg, device, 1, {}, True)
+        idx = bench_step.batch_of(cfg, 1, seq, device)
+        bench_step.train_step(net, optim, autocast)(idx[:, :-1], idx[:, 1:])
         optims[method] = optim
     return optims
 
 
-def interleaved_medians(steps: dict[str, Callable[[], object]], n: int = 400) -> None:
-    """Print each step's median time over `n` rounds, the steps taking turns."""
+def interleaved_medians(
+    steps: dict[str, Callable[[], object]], n: int = 400, device: torch.device | None = None
+) -> None:
+    """Print each step's median time over `n` rounds, the steps taking turns: on a GPU
+    (`device`), the host's time to return from the call, the device idle at its start."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(n):
         for name, step in steps.items():
+            if device is not None:
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
