@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from host_probe import HostProbe
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -109,13 +109,12 @@ _meshes: dict[tuple[Any, str, int], DeviceMesh] = {}
 
 
 def _mesh(device: torch.device, dp: int) -> DeviceMesh:
-    """The mesh of `dp` replicas over the world, ("dp", "gtp") (1-D without replicas), made
-    once per process group: each method's build would otherwise add process groups."""
-    world = dist.get_world_size()
+    """`gtp_wrap.make_mesh`'s mesh of `dp` replicas over the world, ("dp", "gtp") (1-D without
+    replicas), made once per process group: each method's build would otherwise add process
+    groups."""
     key = (dist.group.WORLD, device.type, dp)
     if key not in _meshes:
-        shape, names = ((dp, world // dp), ("dp", "gtp")) if dp > 1 else ((world,), ("gtp",))
-        _meshes[key] = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        _meshes[key] = gtp_wrap.make_mesh(dp=dp, device_type=device.type)[0]
     return _meshes[key]
 
 

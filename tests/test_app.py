@@ -206,30 +206,29 @@ BAD_INPUT = [
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
-    """Each bad override's gtp-train run, all in one process (tests/refusals.py), by override,
-    and the folder of their out_dirs (one per override, by its index in BAD_INPUT)."""
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each bad override's gtp-train run, all in one process (tests/refusals.py), by override:
+    its exit status, stderr and out_dir."""
     root = tmp_path_factory.mktemp("refused")
-    overrides = [o for o, _ in BAD_INPUT]
-    runs = [[*FAST, *o.split(), f"out_dir={root}/{i}"] for i, o in enumerate(overrides)]
+    out_dirs = {o: root / str(i) for i, (o, _) in enumerate(BAD_INPUT)}
+    runs = [[*FAST, *o.split(), f"out_dir={out}"] for o, out in out_dirs.items()]
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "refusals.py"), json.dumps(runs)],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return root, dict(zip(overrides, json.loads(proc.stdout.splitlines()[-1]), strict=True))
+    got = json.loads(proc.stdout.splitlines()[-1])
+    return {o: {**run, "out_dir": out} for (o, out), run in zip(out_dirs.items(), got, strict=True)}
 
 
 @pytest.mark.parametrize(("override", "message"), BAD_INPUT)
 def test_bad_input_is_refused_before_training(
-    override: str, message: str, refusals: tuple[Path, dict[str, dict]]
+    override: str, message: str, refusals: dict[str, dict]
 ) -> None:
-    root, runs = refusals
-    got = runs[override]
+    got = refusals[override]
     assert got["code"] not in (0, None)
     assert message in got["stderr"], got["stderr"][-2000:]
-    index = [o for o, _ in BAD_INPUT].index(override)
-    assert not (root / str(index) / "checkpoints").exists()
+    assert not (got["out_dir"] / "checkpoints").exists()
 
 
 def test_a_non_finite_step_raises_or_is_skipped(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from optimizer_cpu import interleaved_medians, median_us, tiny_gpt_optimizers  # noqa: E402
+from optimizer_cpu import adamw_us  # noqa: E402
+from optimizer_switch import switch_medians  # noqa: E402
 
 
 class Sub(torch.nn.Parameter):
@@ -30,16 +31,6 @@ def per_call_ns(fn: Callable[[], object], n: int = 100_000) -> float:
     return (time.perf_counter() - start) / n * 1e9
 
 
-def adamw(cls: type, fused: bool) -> torch.optim.Optimizer:
-    params = [cls(torch.zeros(64, 64)) for _ in range(86)]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused, foreach=None if fused else True)
-    for _ in range(20):
-        opt.step()
-    return opt
-
-
 def subclass_against_parameter() -> None:
     for cls in (torch.nn.Parameter, Sub):
         p = cls(torch.zeros(4))
@@ -47,24 +38,16 @@ def subclass_against_parameter() -> None:
         print(f"{cls.__name__}: .grad {per_call_ns(lambda p=p: p.grad):.0f} ns,",
               f"is_complex {per_call_ns(lambda p=p: torch.is_complex(p)):.0f} ns")  # fmt: skip
     for fused in (True, False):
-        plain, sub = adamw(torch.nn.Parameter, fused), adamw(Sub, fused)
-        rounds = [(median_us(plain.step, 200), median_us(sub.step, 200)) for _ in range(5)]
+        rounds = [
+            tuple(adamw_us([cls(torch.zeros(64, 64)) for _ in range(86)], fused)
+                  for cls in (torch.nn.Parameter, Sub))
+            for _ in range(5)
+        ]  # fmt: skip
         print("fused" if fused else "foreach", "AdamW, 86 parameters, µs (Parameter, Sub):",
               [(round(a), round(b)) for a, b in rounds])  # fmt: skip
-
-
-def wrapped_against_plain() -> None:
-    optims = tiny_gpt_optimizers()
-
-    def unchecked() -> None:
-        with torch._C.DisableTorchFunctionSubclass():
-            optims["gtp_blocks"].step()
-
-    interleaved_medians({"amp": optims["amp"].step, "gtp_blocks": optims["gtp_blocks"].step,
-                         "gtp_blocks, subclass check off": unchecked})  # fmt: skip
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     subclass_against_parameter()
-    wrapped_against_plain()
+    switch_medians("tiny", torch.device("cpu"))

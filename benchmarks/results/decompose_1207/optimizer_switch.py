@@ -16,15 +16,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from optimizer_cpu import interleaved_medians, tiny_gpt_optimizers  # noqa: E402
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="125M")
-    args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if not cuda:
-        torch.set_num_threads(1)
-    optims = tiny_gpt_optimizers(args.model, device)
+
+def switch_medians(model: str, device: torch.device) -> None:
+    """Print the optimizer step's medians: plain, wrapped, and wrapped inside the switch."""
+    optims = tiny_gpt_optimizers(model, device)
 
     def unchecked() -> None:
         with torch._C.DisableTorchFunctionSubclass():
@@ -32,4 +27,14 @@ if __name__ == "__main__":
 
     interleaved_medians({"amp": optims["amp"].step, "gtp_blocks": optims["gtp_blocks"].step,
                          "gtp_blocks, subclass check off": unchecked},
-                        device=device if cuda else None)  # fmt: skip
+                        device=device if device.type == "cuda" else None)  # fmt: skip
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="125M")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)
+    switch_medians(args.model, torch.device("cuda", 0) if cuda else torch.device("cpu"))
