@@ -199,8 +199,9 @@ def test_fp8_gathers_move_about_one_byte_per_element() -> None:
 def test_fp8_training_ends_within_two_percent_of_bf16() -> None:
     # On 2 ranks (a group of one gathers, so quantizes, nothing); the loss of the global batch
     # is the mean of the ranks' losses on their halves. ffn=176: every Linear's dims are
-    # multiples of 16, as the FP8 GEMM needs.
-    runs = {name: run_ranks(train_gpt, 2, policy, 176) for name, policy in
+    # multiples of 16, as the FP8 GEMM needs. 40 steps: the loss is 2.9 from 5.5 and still
+    # falling; measured gaps to bf16 0.56 % (fp8) and 0.09 % (fp8_gemm), 0.20 / 0.77 % at 100.
+    runs = {name: run_ranks(train_gpt, 2, policy, 176, 40) for name, policy in
             (("bf16", BF16), ("fp8", FP8), ("fp8_gemm", FP8_GEMM))}  # fmt: skip
     loss = {name: sum(r["loss"] for r in ranks) / 2 for name, ranks in runs.items()}
     for name in ("fp8", "fp8_gemm"):
