@@ -125,6 +125,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     re-gathered once in backward)."""
     if x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] >= 9:
         return torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
+    return _loop_grouped_mm(x, w, counts)
+
+
+@torch.compiler.disable
+def _loop_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    # Eager under torch.compile: the loop's trip count and slices follow the routing, which
+    # Dynamo would guard on, compiling the block again for every new routing until its
+    # recompile limit sends it back to eager for good. Disabled, it is one graph break.
     return _LoopGroupedMM.apply(x, w, counts)
 
 
