@@ -17,6 +17,7 @@ from gtp_wrap.scaling.cli import main
 from gtp_wrap.scaling.cluster import ClusterError, Curve, Link
 from gtp_wrap.scaling.collectives import KINDS, collective_s
 from gtp_wrap.scaling.mesh import Group, MeshError
+from gtp_wrap.scaling.baselines import predict_method
 from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig, model_by_name
 from gtp_wrap.scaling.precision import PrecisionError
 from gtp_wrap.scaling.predict import PlanError, block_stages, cut_groups, uses
@@ -298,6 +299,18 @@ def test_chain_groups_follow_the_engine_cut() -> None:
     moe = Plan(SEED280B, H200, Mesh(dp=2, gtp=8, ep=8, egtp=2))
     for g in cut_groups(uses(moe, "gtp", False), moe.group_numel):
         assert len({u.weight.kind == "expert" for u in g}) == 1
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_in_line_collectives_count_as_busy_communication(batch: int) -> None:
+    """Tensor parallelism's collectives run in line on the compute stream, all exposed: the
+    busy time counts them, so exposed communication never exceeds it (busy counted only the dp
+    all-reduce before, 620 ms beside 3047 exposed for this TP step at batch 16)."""
+    plan = Plan(LLAMA70B, H200, Mesh(dp=4, tp=16), batch=batch, seq=4096)
+    pred = predict_method(plan, "tp")
+    assert pred.exposed_comm > 0 and pred.exposed_comm <= pred.comm_busy
+    t = simulate([[Stage(0, 2, inline_s=1), Stage(1, 2)]], depth=1)
+    assert (t.end, t.comm_wait, t.comm_busy) == (5.0, 1.0, 2.0)
 
 
 def test_blocks_pay_host_time_per_block_not_per_use() -> None:

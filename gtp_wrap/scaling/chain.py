@@ -50,7 +50,8 @@ class Timeline:
     the communication stream its last collective; `compute` the compute's own time;
     `comm_wait` idle waiting for gathers, in-line collectives and the tail of the reductions,
     `contention` the slowdown beside collectives, `host_wait` idle waiting for launches (with
-    a synchronous host, the launches' own time)."""
+    a synchronous host, the launches' own time), `comm_busy` the time collectives ran, on the
+    communication stream and in line."""
 
     lanes: Lanes
     compute: float
@@ -132,6 +133,7 @@ def simulate(
             slow += end - start - work
             end += stage.inline_s
             comm_wait += stage.inline_s
+            comm_busy += stage.inline_s  # in line on the compute stream: all of it exposed
             if async_host:
                 host += stage.host_s
                 if host > end:  # the device ran dry before the group's last launch

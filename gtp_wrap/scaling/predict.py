@@ -103,7 +103,8 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """A predicted step (seconds) and memory per GPU. `compute + exposed_comm + host =
-    step`; `comm_busy` is the communication stream's busy time, hidden or not."""
+    step`; `comm_busy` is the time collectives run, hidden or not: the communication stream's
+    and those in line on the compute stream (tensor parallelism's, the experts' all-to-all)."""
 
     method: str
     plan: Plan
