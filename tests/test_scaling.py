@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from gtp_wrap.scaling import Mesh, Plan, Precision, load_cluster, predict
+from gtp_wrap.scaling import Mesh, Plan, Precision, load_cluster, predict, scale
+from gtp_wrap.scaling.baselines import predict_method
 from gtp_wrap.scaling.chain import Stage, simulate
 from gtp_wrap.scaling.cli import main
 from gtp_wrap.scaling.cluster import ClusterError, Curve, Link
 from gtp_wrap.scaling.collectives import KINDS, collective_s
 from gtp_wrap.scaling.mesh import Group, MeshError
-from gtp_wrap.scaling.baselines import predict_method
 from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig, model_by_name
 from gtp_wrap.scaling.precision import PrecisionError
 from gtp_wrap.scaling.predict import PlanError, block_stages, cut_groups, uses
@@ -311,6 +311,20 @@ def test_in_line_collectives_count_as_busy_communication(batch: int) -> None:
     assert pred.exposed_comm > 0 and pred.exposed_comm <= pred.comm_busy
     t = simulate([[Stage(0, 2, inline_s=1), Stage(1, 2)]], depth=1)
     assert (t.end, t.comm_wait, t.comm_busy) == (5.0, 1.0, 2.0)
+
+
+def test_a_sweep_keeps_the_base_meshs_model_parallel_axes_whole() -> None:
+    """Weak and strong scaling start at the fewest GPUs the base mesh's model-parallel axes
+    take, adding data-parallel replicas only: on fewer GPUs the axes had shrunk, and an 8-GPU
+    GTP8 row of a GTP64 mesh set the base of a "weak-scaling efficiency" of 149 % to 200 %."""
+    base = Mesh(dp=2, gtp=64, ep=64, egtp=2)
+    plan = Plan(SEED280B, load_cluster("gb200"), base, graphed=True, recompute=True)
+    for rows in (scale.weak(plan), scale.strong(plan, 1024)):
+        assert rows[0].gpus == 128 and rows[0].efficiency == 1.0
+        for r in rows:
+            assert (r.mesh.gtp, r.mesh.tp, r.mesh.ep, r.mesh.egtp) == (64, 1, 64, 2)
+            assert r.mesh.dp == r.gpus // 64 and r.efficiency <= 1.0
+    assert [r.gpus for r in scale.weak(plan)] == [128, 256, 512, 1024, 2048, 3072, 4096]
 
 
 def test_blocks_pay_host_time_per_block_not_per_use() -> None:

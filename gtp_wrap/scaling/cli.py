@@ -123,10 +123,10 @@ def describe(pred: Prediction) -> str:
     width = max(len(k) for k, _ in pred.rows())
     lines = [head] + [f"  {k:<{width}}  {v}" for k, v in pred.rows()]
     if not pred.fits:
+        fewer = "" if plan.recompute else ", keep fewer activations (--recompute)"
         lines.append(
             f"  does not fit: the peak exceeds the GPU's {cl.memory_gib:.0f} GiB; shard "
-            "over more GPUs (gtp, ep/egtp), keep fewer activations (--recompute) or "
-            "take a smaller batch"
+            f"over more GPUs (gtp, ep/egtp){fewer} or take a smaller batch"
         )
     if plan.cfg.note:
         lines.append(f"  model: {plan.cfg.note}")
