@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,6 +37,13 @@ def compile(  # noqa: A001 - torch.compile's counterpart, named as users look fo
     `torch.compile(model)` on the whole wrapped model is refused with a `WrapError` naming
     this function: Dynamo cannot trace the sharded parameters' gathers.
     """
+    if engine_of(model).policy.fp8_matmul:
+        warnings.warn(
+            "gtp_wrap.compile: the policy's fp8_matmul runs FP8 GEMMs for eager uses only; the "
+            "linear layers inside compiled blocks run bf16 GEMMs on the dequantized weights "
+            "(leave the model eager to keep them)",
+            stacklevel=2,
+        )
     return _run_blocks(model, blocks, lambda cls: torch.compile(cls.forward, **options))
 
 
@@ -66,10 +74,19 @@ def _run_blocks(
     engine = engine_of(model)
     chosen = _blocks(model, blocks)
     if not chosen:
+        why = (
+            f" matching '{blocks}'"
+            if isinstance(blocks, str)
+            else (
+                ": no item of its nn.ModuleLists holds a sharded weight (the policy left them "
+                "whole: under min_shard_numel, or no rule shards them)"
+                if blocks is None
+                else ""
+            )
+        )
         raise WrapError(
-            f"found no blocks in {type(model).__name__}"
-            + (f" matching '{blocks}'" if isinstance(blocks, str) else "")
-            + ": pass blocks= a class name or the modules (e.g. model.layers)"
+            f"found no blocks in {type(model).__name__}{why}; pass blocks= a class name or "
+            "the modules (e.g. model.layers)"
         )
     forwards: dict[type[nn.Module], Any] = {}
     for block in chosen:
