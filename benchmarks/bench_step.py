@@ -404,7 +404,9 @@ def chart(rows: list[dict], path: Path) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="CPU, 2 gloo ranks, tiny model")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, 2 gloo ranks, tiny model; sets --seq 32, --warmup 1, --steps 2, "
+                    "--rounds 1")  # fmt: skip
     common_args(ap, Path("benchmarks/results"), "prefetch_depth=2")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2,
@@ -427,6 +429,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         (name, [int(b) for b in batches.split(",")])
         for name, batches in (item.split(":") for item in args.plan.split(";"))
     ]
+    for name, _ in args.plan:
+        if name not in MODELS:
+            ap.error(f"--plan: model {name!r}: one of {', '.join(MODELS)}")
+        if args.seq > MODELS[name].max_seq:
+            ap.error(f"--seq {args.seq}: model {name} takes at most {MODELS[name].max_seq} "
+                     "tokens; pass a shorter --seq")  # fmt: skip
     return args
 
 

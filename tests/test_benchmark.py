@@ -61,6 +61,23 @@ def test_floor_per_param_steps_each_parameters_shard_where_the_floor_steps_one()
     assert sizes["floor_per_param"] == [-(-n // 2) for n in params] and len(params) > 10
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--plan", "smoke:1"], "--seq 2048: model smoke takes at most 64 tokens"),
+        (["--plan", "7B:1"], "--plan: model '7B': one of 1.36B"),
+    ],
+)
+def test_bench_step_refuses_a_plan_it_cannot_run_naming_the_fix(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before any rank starts: a sequence longer than the model's (a Dynamo shape error under
+    torchrun before) or a model it does not have."""
+    with pytest.raises(SystemExit):
+        _benchmark_module("bench_step").parse(argv)
+    assert message in capsys.readouterr().err
+
+
 def _dp_builds(rank: int, world: int) -> dict:
     bench = _benchmark_module("bench_step")
     cfg = bench.MODELS["smoke"]
