@@ -25,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from gtp_wrap.app.data import DataConfig, DataError, load_tokens
 from gtp_wrap.app.launch import LaunchError
+from gtp_wrap.app.report import summary_table
 from gtp_wrap.app.train import (
     CONFIG_DIR,
     _file_choices,
@@ -254,3 +255,16 @@ def test_ranks_fork_only_from_a_launcher_without_threads_or_a_group(
             assert launch._start_method() == "spawn", name
     monkeypatch.setattr(launch.sys, "platform", "darwin")
     assert launch._start_method() == "spawn"
+
+
+def test_the_summary_names_the_blocking_gathers_or_says_there_were_none() -> None:
+    """A group of one rank (mesh [2,1], launch.sh with one rank a node) gathers nothing: the
+    line says so instead of ending at its label."""
+    stats = {"gathers": 0, "prefetched_gathers": 0, "blocking_gathers": 0, "blocking_by_pass": {},
+             "bytes_gathered": 0, "bytes_reduced": 0, "peak_gathered_bytes": 0}  # fmt: skip
+    line = "blocking gathers by pass: none (a group of one rank gathers nothing)"
+    assert line in summary_table([], stats, 2).splitlines()
+    stats["blocking_by_pass"] = {"backward": 1, "forward": 1}
+    assert "blocking gathers by pass: backward pass 1, forward pass 1 (one chain head" in (
+        summary_table([], stats, 2)
+    )

@@ -48,10 +48,14 @@ def summary_table(rows: list[tuple], stats: dict, steps: int) -> str:
         f"(prefetched {stats['prefetched_gathers'] / per:.0f}, "
         f"blocking {stats['blocking_gathers'] / per:.1f})",
         "blocking gathers by pass: "
-        + ", ".join(
-            f"{PassKind(k).label} {v}" for k, v in sorted(stats["blocking_by_pass"].items())
-        )
-        + " (one chain head per pass; an eval pass records its chain the first time)",
+        + (
+            ", ".join(
+                f"{PassKind(k).label} {v}" for k, v in sorted(stats["blocking_by_pass"].items())
+            )
+            + " (one chain head per pass; an eval pass records its chain the first time)"
+            if stats["blocking_by_pass"]
+            else "none (a group of one rank gathers nothing)"
+        ),
         f"bytes per step: gathered {stats['bytes_gathered'] / per / MiB:.1f} MiB, "
         f"reduce-scattered {stats['bytes_reduced'] / per / MiB:.1f} MiB; "
         f"gather buffers {stats['peak_gathered_bytes'] / MiB:.2f} MiB",
