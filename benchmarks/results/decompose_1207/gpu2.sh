@@ -4,16 +4,9 @@
 # (torch.profiler's ops table and a cProfile, backward on the calling thread), then the engine's
 # host time per weight use (host_overhead.py, the 30 us target).
 #   bash benchmarks/results/decompose_1207/gpu2.sh      (carry .whl)
+METHODS="floor_per_param gtp_blocks" bash benchmarks/results/paired_1206/gpu3.sh
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name --format=csv,noheader | head -1
-for m in floor_per_param gtp_blocks; do
-  timeout 120 torchrun --nproc_per_node 1 benchmarks/profile_gtp.py --model 125M --batch 1 \
-    --method $m --fused-adamw --steps 20 --cprofile --one-thread --out $OUT/prof_$m \
-    > $OUT/prof_$m.log 2>&1
-  echo "$m rc=$?"; grep '"step_ms"' $OUT/prof_$m.log
-  grep -E "cudaLaunchKernel|Self CPU time total" $OUT/prof_$m/ops_rank0.txt
-done
 timeout 170 python3 benchmarks/host_overhead.py --device cuda --steps 100 --rounds 7 \
   --out $OUT/host_overhead.json > $OUT/host_overhead.log 2>&1
 echo "host_overhead rc=$?"; tail -12 $OUT/host_overhead.log
