@@ -37,13 +37,6 @@ def compile(  # noqa: A001 - torch.compile's counterpart, named as users look fo
     `torch.compile(model)` on the whole wrapped model is refused with a `WrapError` naming
     this function: Dynamo cannot trace the sharded parameters' gathers.
     """
-    if engine_of(model).policy.fp8_matmul:
-        warnings.warn(
-            "gtp_wrap.compile: the policy's fp8_matmul runs FP8 GEMMs for eager uses only; the "
-            "linear layers inside compiled blocks run bf16 GEMMs on the dequantized weights "
-            "(leave the model eager to keep them)",
-            stacklevel=2,
-        )
     return _run_blocks(model, blocks, lambda cls: torch.compile(cls.forward, **options))
 
 
@@ -74,19 +67,16 @@ def _run_blocks(
     engine = engine_of(model)
     chosen = _blocks(model, blocks)
     if not chosen:
-        why = (
-            f" matching '{blocks}'"
-            if isinstance(blocks, str)
-            else (
-                ": no item of its nn.ModuleLists holds a sharded weight (the policy left them "
-                "whole: under min_shard_numel, or no rule shards them)"
-                if blocks is None
-                else ""
-            )
-        )
         raise WrapError(
-            f"found no blocks in {type(model).__name__}{why}; pass blocks= a class name or "
-            "the modules (e.g. model.layers)"
+            f"found no blocks in {type(model).__name__}{_why_none(model, blocks)}; pass "
+            "blocks= a class name or the modules (e.g. model.layers)"
+        )
+    if engine.policy.fp8_matmul:
+        warnings.warn(
+            "the policy's fp8_matmul runs FP8 GEMMs for per-use gathers only: the linear layers "
+            "of blocks on gathered weights (gtp_wrap.compile, gather_per_block, the policy's "
+            "gather_per_block) run bf16 GEMMs on the dequantized weights",
+            stacklevel=3,
         )
     forwards: dict[type[nn.Module], Any] = {}
     for block in chosen:
@@ -95,6 +85,20 @@ def _run_blocks(
             forwards[cls] = forward_of(cls)
         engine.run_on_gathered_weights(block, forwards[cls])
     return model
+
+
+def _why_none(model: nn.Module, blocks: str | Iterable[nn.Module] | None) -> str:
+    """Why `_blocks` found nothing, as the refusal's middle."""
+    if isinstance(blocks, str):
+        return f" matching '{blocks}'"
+    if blocks is not None:
+        return ""
+    if not any(isinstance(m, nn.ModuleList) for m in model.modules()):
+        return " (by default: the items of its nn.ModuleLists, and it has none)"
+    return (
+        " (by default: the items of its nn.ModuleLists that hold a sharded weight, and the "
+        "policy left theirs whole: under min_shard_numel, or no rule shards them)"
+    )
 
 
 def _blocks(model: nn.Module, blocks: str | Iterable[nn.Module] | None) -> list[nn.Module]:

@@ -258,11 +258,11 @@ def test_ranks_fork_only_from_a_launcher_without_threads_or_a_group(
 
 
 def test_the_summary_names_the_blocking_gathers_or_says_there_were_none() -> None:
-    """A group of one rank (mesh [2,1], launch.sh with one rank a node) gathers nothing: the
-    line says so instead of ending at its label."""
+    """A run that gathered nothing (a group of one rank: mesh [2,1], launch.sh with one rank a
+    node) says so instead of ending the line at its label."""
     stats = {"gathers": 0, "prefetched_gathers": 0, "blocking_gathers": 0, "blocking_by_pass": {},
              "bytes_gathered": 0, "bytes_reduced": 0, "peak_gathered_bytes": 0}  # fmt: skip
-    line = "blocking gathers by pass: none (a group of one rank gathers nothing)"
+    line = "blocking gathers by pass: none (nothing was gathered)"
     assert line in summary_table([], stats, 2).splitlines()
     stats["blocking_by_pass"] = {"backward": 1, "forward": 1}
     assert "blocking gathers by pass: backward pass 1, forward pass 1 (one chain head" in (

@@ -533,16 +533,19 @@ def test_misuse_of_blocks_is_refused_naming_the_fix() -> None:
         assert "'0.fc.weight'" in misuse["written"]
 
 
-def test_no_default_blocks_and_compiled_fp8_gemms_are_named() -> None:
-    """A model whose weights the policy left whole has no default blocks, and the refusal says
-    why; compiling under fp8_matmul warns that compiled blocks run bf16 GEMMs (found by a new
-    user: 7 FP8 GEMMs in 6 compiled steps against 63 eager, nothing said)."""
+def test_no_default_blocks_and_fp8_gemms_on_gathered_blocks_are_named() -> None:
+    """A model without default blocks is refused with what the default looked for; blocks on
+    gathered weights, compiled or eager, warn that they run bf16 GEMMs under fp8_matmul (found
+    by a new user: 7 FP8 GEMMs in 6 compiled steps against 63 eager, nothing said)."""
     whole = GTPWrap(_gpt(), {})  # d=64: every weight under the default min_shard_numel
-    with pytest.raises(WrapError, match="no item of its nn.ModuleLists holds a sharded weight"):
+    with pytest.raises(WrapError, match="that hold a sharded weight, and the policy left theirs"):
         gtp_wrap.compile(whole)
-    fp8 = GTPWrap(_gpt(), FP8_GEMM)
-    with pytest.warns(UserWarning, match="fp8_matmul runs FP8 GEMMs for eager uses only"):
-        gtp_wrap.compile(fp8)
+    no_list = GTPWrap(torch.nn.Sequential(torch.nn.Linear(64, 64)), POLICY)
+    with pytest.raises(WrapError, match="the items of its nn.ModuleLists, and it has none"):
+        gtp_wrap.gather_per_block(no_list)
+    for run_blocks in (gtp_wrap.compile, gtp_wrap.gather_per_block):
+        with pytest.warns(UserWarning, match="fp8_matmul runs FP8 GEMMs for per-use gathers only"):
+            run_blocks(GTPWrap(_gpt(), FP8_GEMM))
 
 
 def test_readme_snippet_trains_as_eager() -> None:

@@ -313,7 +313,7 @@ def test_in_line_collectives_count_as_busy_communication(batch: int) -> None:
     assert (t.end, t.comm_wait, t.comm_busy) == (5.0, 1.0, 2.0)
 
 
-def test_a_sweep_keeps_the_base_meshs_model_parallel_axes_whole() -> None:
+def test_a_sweep_keeps_the_base_meshs_model_parallel_axes_whole(tmp_path: Path) -> None:
     """Weak and strong scaling start at the fewest GPUs the base mesh's model-parallel axes
     take, adding data-parallel replicas only: on fewer GPUs the axes had shrunk, and an 8-GPU
     GTP8 row of a GTP64 mesh set the base of a "weak-scaling efficiency" of 149 % to 200 %."""
@@ -325,6 +325,10 @@ def test_a_sweep_keeps_the_base_meshs_model_parallel_axes_whole() -> None:
             assert (r.mesh.gtp, r.mesh.tp, r.mesh.ep, r.mesh.egtp) == (64, 1, 64, 2)
             assert r.mesh.dp == r.gpus // 64 and r.efficiency <= 1.0
     assert [r.gpus for r in scale.weak(plan)] == [128, 256, 512, 1024, 2048, 3072, 4096]
+    with pytest.raises(SystemExit, match="pass GPU counts from 128 up"):
+        main(["scale", "--model", "seed280b", "--cluster", "gb200", "--mesh",
+              "dp=2,gtp=64,ep=64,egtp=2", "--gpus", "8,16", "--out", str(tmp_path)])  # fmt: skip
+    assert not any(tmp_path.iterdir())  # refused before writing
 
 
 def test_blocks_pay_host_time_per_block_not_per_use() -> None:

@@ -54,7 +54,7 @@ def summary_table(rows: list[tuple], stats: dict, steps: int) -> str:
             )
             + " (one chain head per pass; an eval pass records its chain the first time)"
             if stats["blocking_by_pass"]
-            else "none (a group of one rank gathers nothing)"
+            else "none (nothing was gathered)"
         ),
         f"bytes per step: gathered {stats['bytes_gathered'] / per / MiB:.1f} MiB, "
         f"reduce-scattered {stats['bytes_reduced'] / per / MiB:.1f} MiB; "

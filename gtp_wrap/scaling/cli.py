@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -159,12 +160,20 @@ def _ints(text: str) -> list[int]:
 def cmd_scale(args: argparse.Namespace) -> None:
     plan = make_plan(args)
     gpus = _ints(args.gpus)
-    args.out.mkdir(parents=True, exist_ok=True)
     name = f"{plan.cfg.name}_{plan.cluster.name}"
     global_batch = args.global_batch or plan.batch * 1024
     label = f"{args.method} {plan.precision.gather}"
     weak = {label: scale.weak(plan, gpus, args.method)}
     strong = {label: scale.strong(plan, global_batch, gpus, args.method)}
+    if not weak[label]:
+        m = plan.mesh
+        fewest = math.lcm(m.gtp * m.tp, m.ep * m.egtp)
+        raise PlanError(
+            f"--gpus {args.gpus}: no count holds mesh {m.label()}'s model-parallel axes whole "
+            f"(multiples of {fewest} GPUs), or its ep does not divide the model's experts; "
+            f"pass GPU counts from {fewest} up"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
     text = [
         f"## Scaling of {plan.cfg.name} on {plan.cluster.name}"
         f"{' (nominal)' if plan.cluster.nominal else ''}, base mesh {plan.mesh.label()}, "
