@@ -385,7 +385,7 @@ def test_sharded_expert_stacks_checkpoint_into_the_unwrapped_model() -> None:
     assert all(run_ranks(_expert_checkpoint, 2))
 
 
-def _moe_losses(compiled: bool, steps: int = 6) -> tuple[list[float], list[int]]:
+def _moe_losses(compiled: bool, steps: int = 3) -> tuple[list[float], list[int]]:
     """The losses of `steps` AdamW steps of the MoE GPT at world 1, each on new tokens (a new
     routing), and, compiled, how many frames Dynamo had compiled (recompiles too) after each."""
     torch.manual_seed(0)
