@@ -512,3 +512,17 @@ def test_gemm_split_k_loss_bytes_and_attentions_halves() -> None:
     both = layer_costs(plan, 0, False) + layer_costs(plan, 0, True)
     assert both == pytest.approx(attention_layer_s(plan.cluster, GPT_1P36B, plan.tokens))
     assert H200.compute.attention_layer_us > 0
+
+
+def test_the_tp_baseline_says_how_it_turned_the_gtp_mesh_into_tp(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--method tp` on a GTP mesh compares TP over the same GPUs and tokens per GPU; it says
+    so, since the mesh and batch it prints are not the ones given (a new user's surprise)."""
+    main(["--model", "llama70b", "--cluster", "h200", "--mesh", "dp=4,gtp=16", "--method", "tp"])
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "tp: the GTP group's 16 GPUs as one TP group (mesh dp=4,tp=16), the "
+        "sequences of its 16 ranks together (batch 16): the same tokens per GPU"
+    )
+    assert "mesh dp=4,tp=16 (64 GPUs), batch 16 x 4096" in out

@@ -147,6 +147,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
             variant = dataclasses.replace(
                 plan, mesh=Mesh(dp=m.dp, tp=m.gtp * m.tp), batch=plan.batch * m.gtp
             )
+            if m.gtp > 1:
+                print(
+                    f"tp: the GTP group's {m.gtp * m.tp} GPUs as one TP group (mesh "
+                    f"{variant.mesh.label()}), the sequences of its {m.gtp} ranks together "
+                    f"(batch {variant.batch:g}): the same tokens per GPU"
+                )
         print(describe(predict_method(variant, method)))
 
 
