@@ -411,10 +411,11 @@ def _moe_losses(compiled: bool, steps: int = 3) -> tuple[list[float], list[int]]
 
 
 def test_a_compiled_moe_compiles_in_its_first_step_whatever_the_routing() -> None:
-    """The CPU grouped GEMM loops over the experts that got tokens. Traced by Dynamo, every new
-    routing compiled the block again, until the recompile limit sent it back to eager (found
-    running gtp-train model=moe_tiny trainer.compile=true for 10 steps). Kept eager, it is a
-    graph break: the graphs of the first step serve every later routing, with eager's losses."""
+    """The loop grouped GEMM (CPU, and GPUs without the bf16 Hopper `torch._grouped_mm`) runs
+    only the experts that got tokens. Traced by Dynamo, every new routing compiled the block
+    again, until the recompile limit sent it back to eager (found running gtp-train
+    model=moe_tiny trainer.compile=true for 10 steps). Kept eager, it is a graph break: the
+    graphs of the first step serve every later routing, with eager's losses."""
     eager, _ = _moe_losses(compiled=False)
     compiled, frames = _moe_losses(compiled=True)
     assert frames[0] > 0 and frames == [frames[0]] * len(frames), frames

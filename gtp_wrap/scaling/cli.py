@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -172,12 +171,10 @@ def cmd_scale(args: argparse.Namespace) -> None:
     weak = {label: scale.weak(plan, gpus, args.method)}
     strong = {label: scale.strong(plan, global_batch, gpus, args.method)}
     if not weak[label]:
-        m = plan.mesh
-        fewest = math.lcm(m.gtp * m.tp, m.ep * m.egtp)
+        fewest = scale.fewest_gpus(plan.mesh)
         raise PlanError(
-            f"--gpus {args.gpus}: no count holds mesh {m.label()}'s model-parallel axes whole "
-            f"(multiples of {fewest} GPUs), or its ep does not divide the model's experts; "
-            f"pass GPU counts from {fewest} up"
+            f"--gpus {args.gpus}: no count holds mesh {plan.mesh.label()}'s model-parallel axes "
+            f"whole (multiples of {fewest} GPUs); pass GPU counts from {fewest} up"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     text = [

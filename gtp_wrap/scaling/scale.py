@@ -9,6 +9,7 @@ and EP groups shrink to fit. Rows whose peak memory exceeds the GPU's are kept a
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -31,12 +32,18 @@ class Row:
     efficiency: float  # against the sweep's first row, the fewest GPUs the base mesh takes
 
 
+def fewest_gpus(base: Mesh) -> int:
+    """The fewest GPUs that hold `base`'s model-parallel axes whole (its dense and its expert
+    ones); a sweep's GPU counts are its multiples."""
+    return math.lcm(base.gtp * base.tp, base.ep * base.egtp)
+
+
 def mesh_for(base: Mesh, gpus: int) -> Mesh | None:
     """`base`'s model-parallel axes on `gpus` GPUs, the rest data parallel; None where they do
     not divide the GPUs. A sweep keeps those axes whole: on fewer GPUs each would shrink, and
     each GPU would hold and compute a different share of the model (an 8-GPU row of a
     GTP64 mesh read 149 % "weak-scaling efficiency" from 8 to 16 GPUs that way)."""
-    if gpus % (base.gtp * base.tp) or gpus % (base.ep * base.egtp):
+    if gpus % fewest_gpus(base):
         return None
     return dataclasses.replace(base, dp=gpus // (base.gtp * base.tp))
 
@@ -46,7 +53,7 @@ def weak(plan: Plan, gpus: Sequence[int] = GPU_COUNTS, method: str = "gtp") -> l
     rows: list[Row] = []
     for n in gpus:
         mesh = mesh_for(plan.mesh, n)
-        if mesh is None or (plan.model.experts and plan.model.experts % mesh.ep):
+        if mesh is None:  # the axes do not divide n (ep is the base's: the plan checked it)
             continue
         p = predict_method(dataclasses.replace(plan, mesh=mesh), method)
         base = rows[0].prediction.tokens_per_s_per_gpu if rows else p.tokens_per_s_per_gpu
@@ -62,7 +69,7 @@ def strong(
     rows: list[Row] = []
     for n in gpus:
         mesh = mesh_for(plan.mesh, n)
-        if mesh is None or (plan.model.experts and plan.model.experts % mesh.ep):
+        if mesh is None:  # the axes do not divide n (ep is the base's: the plan checked it)
             continue
         batch = global_batch / mesh.data_ranks
         if batch < 1:
