@@ -66,7 +66,7 @@ def test_per_block_training_matches_per_use_eager(tmp_path: Path) -> None:
     """The default trainer.gather_per_block=true (every block on its gathered weights) gives
     per-use eager's losses, and so does per-use eager with trainer.backward_on_calling_thread
     (autograd's device thread off; on these CPU ranks backward runs on the calling thread
-    either way, so this checks that the setting reaches the ranks and changes nothing else).
+    either way, as metrics.json says, so this checks that the setting changes nothing else).
     trainer.compile=true is checked on the MoE below, where each compiled block also takes over
     the policy's MoE layer."""
     common = ["trainer.steps=4", "trainer.warmup=2"]
@@ -84,8 +84,24 @@ def test_per_block_training_matches_per_use_eager(tmp_path: Path) -> None:
     assert len(want) == 4
     assert metrics["per_block"]["history"]["loss"] == pytest.approx(want, rel=1e-5)
     assert metrics["calling_thread"]["history"]["loss"] == want
-    assert metrics["eager"]["backward_thread"] == "device"
+    assert metrics["eager"]["backward_thread"] == "calling"  # a CPU has no device thread
     assert metrics["calling_thread"]["backward_thread"] == "calling"
+
+
+def test_blocks_left_whole_by_the_policy_still_run_per_block_and_compiled(tmp_path: Path) -> None:
+    """policy=replicate_all shards nothing, so no block holds a sharded weight: the default
+    trainer.gather_per_block=true and trainer.compile=true still run (the blocks named by the
+    app, not found by their sharded weights) and give per-use eager's losses."""
+    common = ["policy=replicate_all", "trainer.steps=3", "trainer.warmup=1"]
+    runs = {"eager": ["trainer.gather_per_block=false"], "per_block": [],
+            "compiled": ["trainer.compile=true"]}  # fmt: skip
+    for name, overrides in runs.items():
+        proc = _train(*common, *overrides, f"out_dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = {name: _metrics(tmp_path / name)["history"]["loss"] for name in runs}
+    assert len(losses["eager"]) == 3 and losses["eager"][-1] < losses["eager"][0]
+    assert losses["per_block"] == pytest.approx(losses["eager"], rel=1e-5)
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
 
 
 def test_tensor_parallel_training_matches_gtp_alone(tmp_path: Path) -> None:

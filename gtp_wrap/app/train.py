@@ -288,10 +288,12 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh)
     if cfg["init_from"] is not None:
         gtp_wrap.load_pretrained(model, cfg["init_from"])
+    # The GPT's blocks by name: the default choice takes only blocks holding a sharded weight,
+    # and a policy may leave every block whole (replicate_all, a model under min_shard_numel).
     if t["compile"]:
-        gtp_wrap.compile(model)  # each block compiled, GTP's gathers between them
+        gtp_wrap.compile(model, blocks=model.blocks)  # GTP's gathers between compiled blocks
     elif t["gather_per_block"] and not policy.fp8_matmul:  # FP8 GEMMs need per-use gathers
-        gtp_wrap.gather_per_block(model)  # eager blocks on their gathered weights
+        gtp_wrap.gather_per_block(model, blocks=model.blocks)  # eager, on gathered weights
     if rank == 0:
         log.info("what the policy did (gtp_wrap.describe):\n%s", gtp_wrap.describe(model))
     optim = _optimizer(model, cfg["optimizer"], t)
@@ -332,7 +334,9 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     # Torch keeps the setting per thread: this one's, which calls every backward of the loop.
     threads = torch.autograd.set_multithreading_enabled(not t["backward_on_calling_thread"])
     with _progress_bar(rank == 0 and sys.stderr.isatty(), stop, start) as bar, threads:
-        backward_thread = "device" if torch.autograd.is_multithreading_enabled() else "calling"
+        # A CPU backward runs on the calling thread whatever the setting: CPU has no device thread.
+        on_device = device.type != "cpu" and torch.autograd.is_multithreading_enabled()
+        backward_thread = "device" if on_device else "calling"
         for step in range(start, stop):
             began = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
@@ -406,7 +410,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
                 "memory": [{"what": n, "gtp_bytes": a, "unsharded_bytes": b} for n, a, b in rows],
                 "stats": stats,
                 "tokens_per_expert": expert_tokens.tolist(),
-                "backward_thread": backward_thread,  # as torch had it in the loop
+                "backward_thread": backward_thread,  # where the loop's backward ran
             },
         )
         log.info("run directory: %s (train.log, loss.png, metrics.json, checkpoints/)", out)
