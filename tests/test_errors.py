@@ -391,3 +391,45 @@ def test_a_rank_whose_backward_raised_is_named_by_its_peers() -> None:
     assert got0.startswith(PeerFailedError.__name__), got0
     assert "rank 1 failed in the backward pass of step 1" in got0, got0
     assert after0 < 5, after0  # before rank 1 exits (at 8 s), which would break the connection
+
+
+def _retry_after_a_bad_batch(rank: int, world: int, everywhere: bool) -> dict:
+    """Each rank catches its step's error and at once runs the next batch ("skip the bad
+    batch"): the bad batch's token index is out of range on rank 1, or on every rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    GTPWrap(model, {"min_shard_numel": 0, "collective_timeout_s": 30})
+    good = torch.tensor([1, 2, 3])
+    bad = torch.tensor([1, 2, 99]) if everywhere or rank == 1 else good
+    out = {"first": model(good).sum().item()}
+    began = time.monotonic()
+    out["bad"] = caught(lambda: model(bad).sum().backward())
+    out["next"] = caught(lambda: out.__setitem__("loss", model(good).sum().item()))
+    out["seconds"] = time.monotonic() - began
+    return out
+
+
+_retry_after_a_bad_batch.leaves_group_broken = True  # type: ignore[attr-defined]
+
+
+def test_a_rank_that_goes_on_after_its_own_error_is_stopped_before_collectives_mix() -> None:
+    """[Note: a pass after a failure] Rank 1's next pass would pair its gathers with rank 0's
+    gathers of the failed pass (gloo aborted the process on their sizes): it raises instead,
+    naming its own error, and rank 0 names rank 1's."""
+    got0, got1 = run_ranks(_retry_after_a_bad_batch, 2, False, timeout=120)
+    assert got1["bad"].startswith("IndexError"), got1["bad"]
+    assert got1["next"].startswith(ChainMismatchError.__name__), got1["next"]
+    assert "this rank's pass failed in the forward pass of step 0 with IndexError" in got1["next"]
+    assert "End every rank and start again" in got1["next"]
+    assert got0["bad"].startswith(PeerFailedError.__name__), got0["bad"]
+    assert "rank 1 failed in the forward pass of step 0 with IndexError" in got0["bad"]
+    assert got0["seconds"] < 10 and got1["seconds"] < 10, (got0["seconds"], got1["seconds"])
+
+
+def test_ranks_that_all_raise_alike_go_on_training() -> None:
+    """The same bad batch on every rank: each catches its error, and the next pass runs as if
+    the bad one had not been (the same output as before it)."""
+    for got in run_ranks(_retry_after_a_bad_batch, 2, True, timeout=120):
+        assert got["bad"].startswith("IndexError"), got["bad"]
+        assert got["next"] == "no error", got["next"]
+        assert got["loss"] == got["first"]

@@ -12,7 +12,7 @@ import zlib
 
 import torch.distributed as dist
 
-from ..errors import CollectiveTimeoutError
+from ..errors import ChainMismatchError, CollectiveTimeoutError, GTPError
 from .watch import Blocked, Watch, store_wait
 
 
@@ -62,6 +62,48 @@ class Agreement:
             store.delete_key(f"gtp_wrap/{self.watch.tag}/{self._previous}/{dist.get_rank()}")
         self._previous = f"{purpose}/{self.count}"
         return out
+
+
+def agree_to_resume(agreement: Agreement) -> None:
+    """Before this rank's first pass after a failed one: go on only where every rank failed
+    alike, else raise naming the failure.
+
+    [Note: a pass after a failure] A rank whose pass raised, caught the error and runs another
+    pass ("skip the bad batch") would issue that pass's collectives while its peers still wait
+    in the failed one, or have left it with a PeerFailedError, having issued collectives this
+    rank never did. Its next collective would pair with one of theirs of another size: gloo
+    aborts the process, NCCL mixes data or hangs. So that pass first meets its peers at an
+    agreement check, through the store (see [Note: agreement through the store]), with the
+    collectives each rank issued per group. Where every rank raised at the same point (the
+    same bad input on every rank) the counts agree and training goes on; where peers stayed
+    in the failed pass, or issued more, the ranks can never pair again, and this rank raises
+    instead of issuing a collective."""
+    failure = agreement.watch.failure
+    if failure is None:
+        return
+    issued = sorted(agreement.watch.issued.items())
+    values = [v for where, count in issued for v in (stable_hash(where), count)]
+    why = ""
+    try:
+        per_rank = agreement.exchange(
+            "resume-after-failure", values, "the check that ranks resume together after a failure"
+        )
+    except GTPError as error:
+        why = f"its peers did not come on with it ({error})"
+    else:
+        counts: dict[int, set[int]] = {}
+        for theirs in per_rank:
+            for where, count in zip(theirs[::2], theirs[1::2]):
+                counts.setdefault(where, set()).add(count)
+        if any(len(c) > 1 for c in counts.values()):
+            why = "its peers issued collectives in it that this rank did not"
+    if why:
+        raise ChainMismatchError(
+            f"this rank's pass failed {failure['where']} with {failure['error']}, and {why}: "
+            "the ranks' collectives can no longer pair, so no further pass can run. End every "
+            "rank and start again (gtp-train resume=true continues from the last checkpoint); "
+            "an error caught and gone on from works only where every rank raised it alike"
+        )
 
 
 def stable_hash(text: str) -> int:

@@ -138,6 +138,11 @@ class Watch:
         if self._failure is None:
             self._failure = {"error": f"{type(error).__name__}: {error}"[:500], "where": where}
 
+    @property
+    def failure(self) -> dict[str, str] | None:
+        """This rank's first failure since its last completed pass ("error", "where"), if any."""
+        return self._failure
+
     def recovered(self) -> None:
         """A pass of this rank completed after a failure (the failure was caught, and the
         peers ran that pass with it): the failure no longer explains a peer's wait."""

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ..comm.agreement import Agreement
+from ..comm.agreement import Agreement, agree_to_resume
 from ..comm.comm import Comm
 from ..comm.watch import Watch
 from ..config.plan import ParameterPlan
@@ -243,6 +243,8 @@ class GTPEngine:
         if torch.compiler.is_compiling():
             refuse_tracing("the forward hooks of a wrapped model")
         self.close_abandoned_backward()  # a forward inside backward nests in its pass
+        if not self.passes.stack:
+            agree_to_resume(self.agreement)  # see [Note: a pass after a failure]
         grad = torch.is_grad_enabled()
         if grad and self.passes.scope is None and self.mesh.world_size > 1:
             self.replicated.hook_unfrozen()
