@@ -172,9 +172,13 @@ def _failing_save(rank: int, world: int, root: str, how: str) -> dict:
             ckpt.save(root, model, opt, extra={"step": 2})
     except CheckpointError as e:
         error = str(e)
-    extra = ckpt.load(root, model, opt)
+    try:
+        extra, loaded = ckpt.load(root, model, opt), "loaded"
+    except CheckpointError as e:  # [Note: a load fails on every rank]: one rank is gone
+        extra, loaded = None, str(e)
     return {
         "error": error,
+        "loaded": loaded,
         "extra": extra,
         "first": str(first),
         "latest": str(ckpt.latest(root)),
@@ -189,8 +193,12 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, how: str) -> None:
     for r in survivors:
         assert "the previous checkpoints" in r["error"] and "intact" in r["error"], r["error"]
         assert r["latest"] == r["first"]
-        assert r["extra"] == {"step": 1}
-        assert r["same"]
+        assert r["extra"] == (None if how == "dies" else {"step": 1})
+        assert r["same"]  # the load wrote this rank's part in either case
+    if how == "dies":  # this rank loaded its part, and learnt that its peer never did
+        assert "not every rank reached the end of the load" in results[0]["loaded"]
+    else:
+        assert all(r["loaded"] == "loaded" for r in survivors)
     if how == "raises":
         assert "rank(s) [1]" in results[0]["error"]
     if how == "bad_extra":
@@ -225,6 +233,31 @@ def test_corrupted_checkpoint_is_refused(saved, tmp_path, damage: str) -> None:
         file.unlink()
     with pytest.raises(CheckpointError, match="rank1.safetensors"):
         ckpt.load(copy, TinyGPT(vocab=VOCAB))
+
+
+def _load_outcome(rank: int, world: int, root: str) -> str:
+    model = GTPWrap(TinyGPT(vocab=VOCAB), POLICY)
+    try:
+        ckpt.load(root, model, _optimizer(model))
+    except CheckpointError as error:
+        return f"CheckpointError: {error}"
+    return "loaded"
+
+
+def test_a_file_damaged_for_one_rank_fails_the_load_on_every_rank(saved, tmp_path) -> None:
+    """[Note: a load fails on every rank] At the saved world of 2, rank 0 reads none of
+    rank1.safetensors: before, it loaded and trained on while rank 1 raised."""
+    root, _ = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt.latest(root), copy)
+    file = copy / "rank1.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-5] ^= 0xFF
+    file.write_bytes(bytes(data))
+    got0, got1 = run_ranks(_load_outcome, 2, str(copy))
+    assert "rank1.safetensors is corrupted or truncated" in got1, got1
+    assert got0.startswith("CheckpointError: loading"), got0
+    assert "failed on rank(s) [1] (their CheckpointError names the file)" in got0, got0
 
 
 @pytest.mark.parametrize("file", ["meta.json", "rank1.json"])

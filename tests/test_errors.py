@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from harness import caught, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -153,6 +154,7 @@ def _bad_inputs(rank: int, world: int) -> dict:
     clipped = GTPWrap(_mlp(), {"min_shard_numel": 0})
     clipped(torch.randn(2, 8)).sum().backward()
     out["torch_clip"] = caught(lambda: torch.nn.utils.clip_grad_norm_(clipped.parameters(), 1.0))
+    out["shard_compute"] = caught(lambda: F.linear(torch.randn(2, 8), clipped[0].weight))
     torch.manual_seed(0)
     model = GTPWrap(_RankOrder(), {"min_shard_numel": 0, "collective_timeout_s": 20})
     out["chain"] = caught(lambda: model(torch.randn(2, 8)))
@@ -173,6 +175,11 @@ def test_bad_inputs_across_ranks() -> None:
             "WrapError: torch.nn.utils.clip_grad_norm_ read the gradient of '0.weight'"
         ), out["torch_clip"]
         assert "gtp_wrap.clip_grad_norm_(model, max_norm" in out["torch_clip"]
+        # A sharded weight used outside a pass: the fix named whether or not blocks are in use.
+        assert out["shard_compute"].startswith(
+            "WrapError: linear used '0.weight' outside a forward or backward pass"
+        ), out["shard_compute"]
+        assert "Call a module of the model instead" in out["shard_compute"]
         assert out["chain"].startswith("ChainMismatchError"), out["chain"]
         assert "use #0 is rank 0: 'a.weight', rank 1: 'b.weight'" in out["chain"]
     assert "spans 1 ranks but the world has 2" in results[0]["mesh_size"]

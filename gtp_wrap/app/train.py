@@ -303,7 +303,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     start = 0
     ckpt_root = _checkpoints(run_dir)
-    if cfg["resume"] and (resumed := _resume(ckpt_root, model, optim, device)) is not None:
+    if cfg["resume"] and (resumed := _resume(ckpt_root, model, optim)) is not None:
         found, extra = resumed
         start, history = extra["step"], extra["history"]
         sched.load_state_dict(extra["scheduler"])
@@ -417,39 +417,27 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
 
 
 def _resume(
-    root: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, device: torch.device
+    root: Path, model: torch.nn.Module, optim: torch.optim.Optimizer
 ) -> tuple[Path, dict[str, Any]] | None:
     """Load the newest checkpoint under `root` that loads intact on every rank; its folder and
     the `extra` it was saved with (None: there is none). A collective: every rank calls it.
 
     [Note: resume past a damaged checkpoint] A load checks what it reads (the files' checksums,
-    keys and shapes) and each rank reads only the files holding its parts, so a damaged file is
-    found by the ranks that read it. The ranks agree on the verdict and, on any failure, all fall
-    back to the checkpoint before it: a flipped byte on disk costs the steps since that one, not
-    the run. The older load overwrites all the failed one filled in (weights, optimizer state and
-    hyperparameters, RNG states). Every failure is logged with its CheckpointError; with no
-    intact checkpoint left, the newest one's error is raised.
+    keys and shapes) and fails on every rank where any rank found damage (see [Note: a load
+    fails on every rank], io/checkpoint.py), so all ranks fall back to the checkpoint before it
+    together: a flipped byte on disk costs the steps since that one, not the run. The older load
+    overwrites all the failed one filled in (weights, optimizer state and hyperparameters, RNG
+    states). Every failure is logged with its CheckpointError; with no intact checkpoint left,
+    the newest one's error is raised.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
     first: CheckpointError | None = None
     for ckpt in reversed(checkpoint.checkpoints(root)):
         try:
-            extra, error = checkpoint.load(ckpt, model, optim), None
-        except CheckpointError as e:
-            extra, error = None, e
-        failed = torch.zeros(world, device=device)
-        failed[rank] = error is not None
-        dist.all_reduce(failed)
-        if not failed.any():
-            assert extra is not None  # this rank loaded it
-            return ckpt, extra
-        ranks = failed.nonzero().flatten().tolist()
-        first = first or error or CheckpointError(f"{ckpt} failed to load on rank(s) {ranks}")
-        if error is not None:  # on ranks > 0, logging's last resort prints it to stderr
-            log.warning("rank %d cannot resume from %s: CheckpointError: %s", rank, ckpt, error)
-        if rank == 0:
-            log.warning("resume: %s failed to load on rank(s) %s (CheckpointError); trying the "
-                        "checkpoint before it", ckpt.name, ranks)  # fmt: skip
+            return ckpt, checkpoint.load(ckpt, model, optim)
+        except CheckpointError as error:  # on ranks > 0, logging's last resort prints it
+            first = first or error
+            log.warning("rank %d cannot resume from %s: CheckpointError: %s; trying the "
+                        "checkpoint before it", dist.get_rank(), ckpt, error)  # fmt: skip
     if first is not None:
         raise first
     return None

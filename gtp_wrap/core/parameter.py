@@ -174,10 +174,11 @@ def _refuse_compute_on_shards(func, args: tuple, kwargs: dict | None) -> None:
         if type(weight) is ShardedWeight and weight.axis.size > 1:
             raise WrapError(
                 f"{func.__name__} used '{weight.fqn}' outside a forward or backward pass of "
-                f"the wrapped model, where it holds only this rank's rows of the weight. A "
-                "module inside a block that runs on gathered weights (gtp_wrap.compile, "
-                "gtp_wrap.gather_per_block) opens no pass of its own: call the block, or the "
-                "model"
+                f"the wrapped model, where it holds only this rank's rows of the weight. Call "
+                "a module of the model instead, which gathers the weight for the call (for a "
+                "module inside a block run by gtp_wrap.compile or gtp_wrap.gather_per_block: "
+                "the block); gtp_wrap.full_state_dict(model) gives the full weights outside a "
+                "pass"
             )
 
 

@@ -385,15 +385,56 @@ def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint into a model (wrapped at any mesh shape, or unwrapped) and optimizer.
+    """Load a checkpoint into a model (wrapped at any mesh shape, or unwrapped) and optimizer;
+    for a wrapped model every rank calls it.
 
     `path` is a checkpoint directory or a directory of them (the complete one of the highest
     step is taken). The model's weights go through its `load_state_dict`, so hooks it registered
     to convert its state dict run as in any load. Returns the `extra` dict given to `save`.
     Raises CheckpointError naming missing, unexpected or mis-shaped keys, entries the model did
-    not take as saved, and files that are missing, truncated or corrupted.
+    not take as saved, and files that are missing, truncated or corrupted: for a wrapped model,
+    on every rank, also where only some ranks read the damaged file (see [Note: a load fails on
+    every rank]).
     """
-    ckpt = Path(path)
+    engine = engine_of(model) if is_wrapped(model) else None
+    try:
+        extra = _load(Path(path), model, optimizer)
+    except CheckpointError:
+        _agree_loaded(engine, path, loaded=False)
+        raise
+    _agree_loaded(engine, path, loaded=True)
+    return extra
+
+
+def _agree_loaded(engine: Any, path: str | os.PathLike, loaded: bool) -> None:
+    """[Note: a load fails on every rank] Each rank reads only the files that hold its parts,
+    so a damaged file fails the ranks that read it, and the others would train on from a state
+    that no longer matches theirs. The ranks exchange their outcome (through the store, like
+    every check) and the ones that loaded raise too, naming the ranks that did not."""
+    if engine is None:
+        return
+    try:
+        outcome = engine.agreement.exchange(
+            "checkpoint-loaded", [int(loaded)], "the end of a checkpoint load"
+        )
+    except GTPError as error:
+        if not loaded:
+            return  # this rank's own error says more
+        raise CheckpointError(
+            f"loading {path}: not every rank reached the end of the load ({error}); on a "
+            "wrapped model every rank calls checkpoint.load"
+        ) from error
+    failed = [rank for rank, (ok,) in enumerate(outcome) if not ok]
+    if failed and loaded:
+        raise CheckpointError(
+            f"loading {path} failed on rank(s) {failed} (their CheckpointError names the file); "
+            "this rank's part loaded, but the ranks' states now differ: load an older "
+            "checkpoint on every rank"
+        )
+
+
+def _load(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """`load`, on this rank alone."""
     if not (ckpt / "meta.json").is_file():
         found = latest(ckpt)
         if found is None:

@@ -128,15 +128,21 @@ class Prediction:
     def rows(self) -> list[tuple[str, str]]:
         """(what, value) lines of the breakdown."""
         ms = 1e3
-        return [
+        rows = [
             ("step", f"{self.step * ms:.1f} ms"),
             ("  compute", f"{self.compute * ms:.1f} ms"),
             ("  exposed communication", f"{self.exposed_comm * ms:.1f} ms"),
             ("  host", f"{self.host * ms:.1f} ms"),
             ("communication busy (hidden or not)", f"{self.comm_busy * ms:.1f} ms"),
             ("tokens/s/GPU", f"{self.tokens_per_s_per_gpu:,.0f}"),
-            ("chain groups per pass", str(self.groups_per_pass)),
-        ] + [(f"memory: {what}", f"{gib:.2f} GiB") for what, gib in self.memory.rows()]
+        ]
+        if self.method == "floor":  # compute alone: it has no chain, and no GPU holds its state
+            return rows
+        return (
+            rows
+            + [("chain groups per pass", str(self.groups_per_pass))]
+            + [(f"memory: {what}", f"{gib:.2f} GiB") for what, gib in self.memory.rows()]
+        )
 
 
 @dataclasses.dataclass(frozen=True)
