@@ -525,7 +525,7 @@ def test_misuse_of_blocks_is_refused_naming_the_fix() -> None:
     for rank in _ranks():
         misuse = rank["misuse"]
         assert misuse["alone"].startswith("WrapError: linear used 'blocks.0.fc.weight' outside")
-        assert "call the block, or the model" in misuse["alone"]
+        assert "gtp_wrap.gather_per_block: the block)" in misuse["alone"]
         assert "runs on gathered weights already" in misuse["inner"]
         assert misuse["outer"] == "no error | released: True"
         # An in-place write inside a block would change the gathered copy only.
