@@ -400,17 +400,31 @@ def test_a_rank_whose_backward_raised_is_named_by_its_peers() -> None:
     assert after0 < 5, after0  # before rank 1 exits (at 8 s), which would break the connection
 
 
-def _retry_after_a_bad_batch(rank: int, world: int, everywhere: bool) -> dict:
-    """Each rank catches its step's error and at once runs the next batch ("skip the bad
-    batch"): the bad batch's token index is out of range on rank 1, or on every rank."""
+class _RaisesOnBadTokens(nn.Module):
+    """Raises before any weight is used, so a rank failing here issues no gather in the pass."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.max() >= 16:
+            raise IndexError("a token out of range")
+        return x
+
+
+def _retry_after_a_bad_batch(rank: int, world: int, everywhere: bool, early: bool) -> dict:
+    """Each rank catches its step's error and runs the next batch ("skip the bad batch"): the
+    bad batch has a token out of range on rank 1, or on every rank (where rank 1 comes back 2 s
+    after rank 0). `early`: the bad batch is the first pass and fails before any weight is used,
+    so rank 1 has issued no collective at all when it comes back."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    check = [_RaisesOnBadTokens()] if early else []
+    model = nn.Sequential(*check, nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 8))
     GTPWrap(model, {"min_shard_numel": 0, "collective_timeout_s": 30})
     good = torch.tensor([1, 2, 3])
     bad = torch.tensor([1, 2, 99]) if everywhere or rank == 1 else good
-    out = {"first": model(good).sum().item()}
+    out = {} if early else {"first": model(good).sum().item()}
     began = time.monotonic()
     out["bad"] = caught(lambda: model(bad).sum().backward())
+    if everywhere and rank == 1:
+        time.sleep(2)  # a slow peer on its way back is waited for
     out["next"] = caught(lambda: out.__setitem__("loss", model(good).sum().item()))
     out["seconds"] = time.monotonic() - began
     return out
@@ -419,11 +433,15 @@ def _retry_after_a_bad_batch(rank: int, world: int, everywhere: bool) -> dict:
 _retry_after_a_bad_batch.leaves_group_broken = True  # type: ignore[attr-defined]
 
 
-def test_a_rank_that_goes_on_after_its_own_error_is_stopped_before_collectives_mix() -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_a_rank_that_goes_on_after_its_own_error_is_stopped_before_collectives_mix(
+    early: bool,
+) -> None:
     """[Note: a pass after a failure] Rank 1's next pass would pair its gathers with rank 0's
     gathers of the failed pass (gloo aborted the process on their sizes): it raises instead,
-    naming its own error, and rank 0 names rank 1's."""
-    got0, got1 = run_ranks(_retry_after_a_bad_batch, 2, False, timeout=120)
+    naming its own error, and rank 0 names rank 1's; also where rank 1 had issued no collective
+    on the group yet (the failed pass is the first)."""
+    got0, got1 = run_ranks(_retry_after_a_bad_batch, 2, False, early, timeout=120)
     assert got1["bad"].startswith("IndexError"), got1["bad"]
     assert got1["next"].startswith(ChainMismatchError.__name__), got1["next"]
     assert "this rank's pass failed in the forward pass of step 0 with IndexError" in got1["next"]
@@ -434,9 +452,9 @@ def test_a_rank_that_goes_on_after_its_own_error_is_stopped_before_collectives_m
 
 
 def test_ranks_that_all_raise_alike_go_on_training() -> None:
-    """The same bad batch on every rank: each catches its error, and the next pass runs as if
-    the bad one had not been (the same output as before it)."""
-    for got in run_ranks(_retry_after_a_bad_batch, 2, True, timeout=120):
+    """The same bad batch on every rank, rank 1 back 2 s later: each catches its error, and
+    the next pass runs as if the bad one had not been (the same output as before it)."""
+    for got in run_ranks(_retry_after_a_bad_batch, 2, True, False, timeout=120):
         assert got["bad"].startswith("IndexError"), got["bad"]
         assert got["next"] == "no error", got["next"]
         assert got["loss"] == got["first"]

@@ -13,7 +13,7 @@ import zlib
 import torch.distributed as dist
 
 from ..errors import ChainMismatchError, CollectiveTimeoutError, GTPError
-from .watch import Blocked, Watch, store_wait
+from .watch import RESUME_CHECK, Blocked, Watch, members, store_wait
 
 
 class Agreement:
@@ -81,21 +81,21 @@ def agree_to_resume(agreement: Agreement) -> None:
     failure = agreement.watch.failure
     if failure is None:
         return
-    issued = sorted(agreement.watch.issued.items())
-    values = [v for where, count in issued for v in (stable_hash(where), count)]
+    # Per group: its key, this rank's count and the group's ranks, so that every rank reads a
+    # member that never issued on a group as 0 and all reach the same verdict.
+    values: list[int] = []
+    for where, count in sorted(agreement.watch.issued.items()):
+        ranks = sorted(members(where))
+        values += [stable_hash(where), count, len(ranks), *ranks]
     why = ""
     try:
         per_rank = agreement.exchange(
-            "resume-after-failure", values, "the check that ranks resume together after a failure"
+            RESUME_CHECK, values, "the check that ranks resume together after a failure"
         )
     except GTPError as error:
         why = f"its peers did not come on with it ({error})"
     else:
-        counts: dict[int, set[int]] = {}
-        for theirs in per_rank:
-            for where, count in zip(theirs[::2], theirs[1::2]):
-                counts.setdefault(where, set()).add(count)
-        if any(len(c) > 1 for c in counts.values()):
+        if _counts_differ(per_rank):
             why = "its peers issued collectives in it that this rank did not"
     if why:
         raise ChainMismatchError(
@@ -104,6 +104,22 @@ def agree_to_resume(agreement: Agreement) -> None:
             "rank and start again (gtp-train resume=true continues from the last checkpoint); "
             "an error caught and gone on from works only where every rank raised it alike"
         )
+    agreement.watch.recovered()  # every rank failed alike: no peer's wait is explained by it
+
+
+def _counts_differ(per_rank: list[list[int]]) -> bool:
+    """Whether two members of a group issued different numbers of collectives on it, from
+    `agree_to_resume`'s values (a member that lists no count for a group issued none)."""
+    counts: list[dict[int, int]] = [{} for _ in per_rank]
+    groups: dict[int, list[int]] = {}
+    for rank, values in enumerate(per_rank):
+        at = 0
+        while at < len(values):
+            key, count, size = values[at : at + 3]
+            counts[rank][key] = count
+            groups[key] = values[at + 3 : at + 3 + size]
+            at += 3 + size
+    return any(len({counts[r].get(key, 0) for r in ranks}) > 1 for key, ranks in groups.items())
 
 
 def stable_hash(text: str) -> int:

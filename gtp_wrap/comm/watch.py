@@ -45,6 +45,9 @@ from ..errors import ChainMismatchError, GTPError, PeerFailedError
 PROBE_AFTER_S = 1.0  # a wait this long starts posting and reading posts
 POLL_S = 0.2
 RECENT = 32  # collectives a post lists
+# The agreement check of a rank's first pass after a failed one (comm/agreement.py), which its
+# peers reach with failures of their own still posted.
+RESUME_CHECK = "resume-after-failure"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,8 +308,8 @@ def _peer_failed(rank: int, failure: dict[str, str], waiting: str) -> PeerFailed
 
 def _verdict(me: int, mine: Blocked, rank: int, post: dict[str, Any]) -> GTPError | None:
     """What the peer `rank`'s post proves about this rank's wait `mine` (None: nothing)."""
-    if post.get("failed"):
-        return _peer_failed(rank, post["failed"], mine.what)
+    if post.get("failed") and not (mine.kind == "check" and mine.where == RESUME_CHECK):
+        return _peer_failed(rank, post["failed"], mine.what)  # at RESUME_CHECK: on its way
     if post.get("blocked") is None:
         return None
     theirs = Blocked(**post["blocked"])
@@ -332,8 +335,7 @@ def _verdict(me: int, mine: Blocked, rank: int, post: dict[str, Any]) -> GTPErro
     else:
         check, collective = (mine, theirs) if mine.kind == "check" else (theirs, mine)
         in_check = rank if check is theirs else me
-        members = _members(collective.where)
-        if in_check not in members:
+        if in_check not in members(collective.where):
             return None
         if check.issued.get(collective.where, 0) >= collective.number:
             return None  # the rank at the check issued that collective before it
@@ -355,7 +357,7 @@ _ADVICE = (
 )
 
 
-def _members(where: str) -> set[int]:
+def members(where: str) -> set[int]:
     """The ranks of a collective's group, from its `where` ("gtp:0,1")."""
     ranks = where.partition(":")[2]
     return {int(r) for r in ranks.split(",")} if ranks else set()

@@ -399,7 +399,7 @@ def load(
     engine = engine_of(model) if is_wrapped(model) else None
     try:
         extra = _load(Path(path), model, optimizer)
-    except CheckpointError:
+    except Exception:  # any error, so that every rank reaches the agreement once per load
         _agree_loaded(engine, path, loaded=False)
         raise
     _agree_loaded(engine, path, loaded=True)
@@ -505,8 +505,8 @@ def _load_model(ckpt: Path, model: nn.Module, loaded: dict[str, torch.Tensor]) -
     Q, K, V) and merge them back in a load pre-hook. Filling those entries in place would leave
     the weights as they were, so the loaded tensors are handed to `load_state_dict`, which runs
     the module's hooks. Reading the state dict back catches hooks that do not restore what they
-    saved, for the cost of a state dict and a comparison. A load issues no collective of its own
-    (a rank may load alone), so each rank checks its own entries.
+    saved, for the cost of a state dict and a comparison. Each rank checks its own entries; the
+    ranks then agree on the outcome (see [Note: a load fails on every rank]).
     """
     try:
         model.load_state_dict(loaded)
