@@ -65,8 +65,8 @@ class Agreement:
 
 
 def agree_to_resume(agreement: Agreement) -> None:
-    """Before this rank's first pass after a failed one: go on only where every rank failed
-    alike, else raise naming the failure.
+    """Before this rank's first pass after a failed one (its watch holds the failure): go on
+    only where every rank failed alike, else raise naming the failure.
 
     [Note: a pass after a failure] A rank whose pass raised, caught the error and runs another
     pass ("skip the bad batch") would issue that pass's collectives while its peers still wait
@@ -79,8 +79,7 @@ def agree_to_resume(agreement: Agreement) -> None:
     in the failed pass, or issued more, the ranks can never pair again, and this rank raises
     instead of issuing a collective."""
     failure = agreement.watch.failure
-    if failure is None:
-        return
+    assert failure is not None  # called only after a failure
     # Per group: its key, this rank's count and the group's ranks, so that every rank reads a
     # member that never issued on a group as 0 and all reach the same verdict.
     values: list[int] = []

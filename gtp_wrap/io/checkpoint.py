@@ -46,7 +46,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..core.weight import CastWeight, ShardedWeight
 from ..errors import CheckpointError, GTPError
-from ..runtime.engine import engine_of, is_wrapped
+from ..runtime.engine import GTPEngine, engine_of, is_wrapped
 from .state_dict import full_state_dict, to_dtensor
 
 log = logging.getLogger(__name__)
@@ -406,7 +406,7 @@ def load(
     return extra
 
 
-def _agree_loaded(engine: Any, path: str | os.PathLike, loaded: bool) -> None:
+def _agree_loaded(engine: GTPEngine | None, path: str | os.PathLike, loaded: bool) -> None:
     """[Note: a load fails on every rank] Each rank reads only the files that hold its parts,
     so a damaged file fails the ranks that read it, and the others would train on from a state
     that no longer matches theirs. The ranks exchange their outcome (through the store, like

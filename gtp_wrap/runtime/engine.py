@@ -243,7 +243,7 @@ class GTPEngine:
         if torch.compiler.is_compiling():
             refuse_tracing("the forward hooks of a wrapped model")
         self.close_abandoned_backward()  # a forward inside backward nests in its pass
-        if not self.passes.stack:
+        if self.watch.failure is not None and not self.passes.stack:
             agree_to_resume(self.agreement)  # see [Note: a pass after a failure]
         grad = torch.is_grad_enabled()
         if grad and self.passes.scope is None and self.mesh.world_size > 1:
