@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,40 @@ def test_resume_is_exact(tmp_path: Path) -> None:
     resumed = _train(*common, "resume=true", f"out_dir={part}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _metrics(part)["history"]["loss"] == losses
+
+
+def test_resume_and_init_from_take_the_run_as_changed(tmp_path: Path) -> None:
+    """What a user changes when continuing a run: a resume with another model stops with the
+    rank's one-line CheckpointError (no traceback); one with another trainer.lr trains at it
+    (with a learning rate of 1e-30 the weights stay the checkpoint's: the validation loss is
+    the saved step's, to the bit); one on fewer ranks says that its batch changed; and
+    init_from=<a checkpoint folder> starts a new run from its weights."""
+    run, tiny_lr = tmp_path / "run", ["trainer.lr=1e-30", "trainer.min_lr=1e-30"]
+    common = ["trainer.steps=4", "checkpoint.every=2", "trainer.warmup=0"]
+    first = _train(*common, "trainer.stop_at=2", f"out_dir={run}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved_val = _metrics(run)["history"]["val_loss"][-1]
+    for name in ("lr", "ranks"):
+        shutil.copytree(run, tmp_path / name)
+
+    other = _train(*common, "resume=true", "model.ffn=96", f"out_dir={run}")
+    assert other.returncode == 1
+    assert "rank 0: CheckpointError: " in other.stderr and "Traceback" not in other.stderr
+    assert "out_dir=<another directory>" in other.stderr, other.stderr[-2000:]
+
+    lr = _train(*common, *tiny_lr, "resume=true", f"out_dir={tmp_path / 'lr'}")
+    assert lr.returncode == 0, lr.stderr[-3000:]
+    assert "peak learning rate(s) [1e-30] differ from the checkpoint's" in lr.stdout
+    assert _metrics(tmp_path / "lr")["history"]["val_loss"][-1] == saved_val
+
+    fewer = _train(*common, "resume=true", "nproc=1", f"out_dir={tmp_path / 'ranks'}")
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    assert "resumed on 1 data rank(s), where step_000002 was saved on 2" in fewer.stdout
+
+    init = _train("trainer.steps=1", *tiny_lr, f"init_from={run / 'checkpoints'}",
+                  f"out_dir={tmp_path / 'init'}")  # fmt: skip
+    assert init.returncode == 0, init.stderr[-3000:]
+    assert _metrics(tmp_path / "init")["history"]["val_loss"] == [saved_val]
 
 
 def test_per_block_training_matches_per_use_eager(tmp_path: Path) -> None:
@@ -218,6 +253,8 @@ BAD_INPUT = [
     ("model.init=lazy", "model.init='lazy': use auto, meta or full"),
     ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore': use raise or skip"),
     ("init_from=/no/such.safetensors", "init_from='/no/such.safetensors' does not exist"),
+    ("checkpoint.every=-1", "checkpoint.every=-1: must be a whole number >= 0"),
+    ("checkpoint.keep=abc", "checkpoint.keep='abc': must be a whole number >= 0"),
 ]
 
 

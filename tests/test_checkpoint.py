@@ -332,6 +332,43 @@ def test_single_process_save_and_load_with_optimizer(tmp_path) -> None:
     _assert_same(gtp_wrap.full_state_dict(fresh), gtp_wrap.full_state_dict(model))
 
 
+def _grouped(model: torch.nn.Module, order: str) -> torch.optim.Optimizer:
+    """AdamW with its matrices decayed and its vectors not, a lower lr for the vectors; the
+    groups listed `order` ("matrices first" or not), or one group ("one")."""
+    params = list(model.parameters())
+    matrices = {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1}
+    vectors = {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": 1e-3}
+    if order == "one":
+        return torch.optim.AdamW(params, lr=5e-3, weight_decay=0.01)
+    groups = [matrices, vectors] if order == "matrices first" else [vectors, matrices]
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("order", "message"),
+    [("one", "saved with 2 optimizer param group"), ("vectors first", "param group 0 holds")],
+)
+def test_an_optimizer_grouped_otherwise_is_refused(tmp_path, order: str, message: str) -> None:
+    """Hyperparameters are restored group by group: an optimizer with another grouping would
+    silently take another group's lr and weight decay, so the load refuses it, before anything
+    is loaded; the same grouping loads them."""
+    model = GTPWrap(_model(), POLICY)
+    opt = _grouped(model, "matrices first")
+    _step(model, opt, 0, 0, 1)
+    ckpt.save(tmp_path, model, opt)
+    fresh = GTPWrap(TinyGPT(vocab=VOCAB), POLICY)
+    other = _grouped(fresh, order)
+    before = [dict((k, v) for k, v in g.items() if k != "params") for g in other.param_groups]
+    with pytest.raises(CheckpointError, match=message):
+        ckpt.load(tmp_path, fresh, other)
+    assert [
+        dict((k, v) for k, v in g.items() if k != "params") for g in other.param_groups
+    ] == before
+    same = _grouped(fresh, "matrices first")
+    ckpt.load(tmp_path, fresh, same)
+    assert [(g["lr"], g["weight_decay"]) for g in same.param_groups] == [(1e-2, 0.1), (1e-3, 0.0)]
+
+
 def test_checkpoint_is_reachable_from_the_package() -> None:
     """As the README uses it: `gtp_wrap.checkpoint.save` after `import gtp_wrap` alone."""
     assert gtp_wrap.checkpoint.save is ckpt.save and gtp_wrap.CheckpointError is CheckpointError

@@ -15,11 +15,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gtp_wrap.errors import GTPError
 from gtp_wrap.graphs import release_graphs
 
 
 class LaunchError(ValueError):
     """The requested ranks do not fit the machine."""
+
+
+class RankStoppedError(RuntimeError):
+    """A rank stopped on an error of gtp_wrap's own (a `GTPError`: bad input, a damaged
+    checkpoint, a peer that failed), which the rank printed as one line (see [Note: a rank's
+    own errors])."""
+
+
+# A spawned rank's exit status after it printed its GTPError.
+_REPORTED = 3
 
 
 def under_torchrun() -> bool:
@@ -65,7 +76,28 @@ def _rank_entry(
     # a spawned one starts with none, as gtp-train's ranks expect (rank 0 sets up its own).
     logging.root.handlers.clear()
     logging.root.setLevel(logging.WARNING)
-    run_rank(fn, args, cpu)
+    try:
+        run_rank(fn, args, cpu)
+    except GTPError as error:
+        # [Note: a rank's own errors] An error gtp_wrap raises on purpose names its cause and
+        # its fix; torch.multiprocessing would hand it to the launcher as the rank's whole
+        # traceback, where the message is the last of some thirty lines (and Hydra adds its own
+        # "Error executing job"). The rank prints that one line instead (rank 0 to its run's log
+        # too) and exits with a status of its own, which `launch` turns into RankStoppedError.
+        # Errors of any other kind (bugs) keep their traceback.
+        report_stop(local_rank, error)
+        sys.exit(_REPORTED)
+
+
+def report_stop(rank: int, error: BaseException) -> None:
+    """Print the error a rank stops on as one line on stderr, and write it to the run's log
+    files where this rank keeps any (see [Note: a rank's own errors])."""
+    line = f"rank {rank}: {type(error).__name__}: {error}"
+    print(line, file=sys.stderr, flush=True)
+    record = logging.LogRecord(__name__, logging.ERROR, __file__, 0, line, None, None)
+    for handler in logging.root.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def run_rank(fn: Callable, args: tuple, cpu: bool = False) -> Any:
@@ -126,6 +158,14 @@ def launch(
     if not (cpu and oversubscribe):
         check_local_devices(nproc, cpu)
     start = _start_method()  # see [Note: forked ranks]
-    mp.start_processes(
-        _rank_entry, args=(fn, nproc, _free_port(), args, cpu), nprocs=nproc, start_method=start
-    )
+    try:
+        mp.start_processes(
+            _rank_entry, args=(fn, nproc, _free_port(), args, cpu), nprocs=nproc,
+            start_method=start,
+        )  # fmt: skip
+    except mp.ProcessExitedException as error:
+        if error.exit_code != _REPORTED:
+            raise
+        raise RankStoppedError(
+            f"rank {error.error_index} stopped on the error it printed"
+        ) from None

@@ -36,14 +36,21 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import gtp_wrap
 from gtp_wrap import GTPPolicy, GTPWrap
 from gtp_wrap.config.policy import resolve_policy
-from gtp_wrap.errors import CheckpointError, PolicyError
+from gtp_wrap.errors import CheckpointError, GTPError, PolicyError
 from gtp_wrap.mesh import DP_GTP, EXPERT_DIMS, MESH_DIMS
 from gtp_wrap.optim import Muon, muon_param_groups
 
 from ..io import checkpoint
 from . import report
 from .data import DataConfig, DataError, TokenStream
-from .launch import LaunchError, check_local_devices, launch, under_torchrun
+from .launch import (
+    LaunchError,
+    RankStoppedError,
+    check_local_devices,
+    launch,
+    report_stop,
+    under_torchrun,
+)
 from .model import GPT, GPTConfig
 
 # The built-in configs: the repository's configs/, shipped in the package as gtp_wrap.configs
@@ -95,7 +102,7 @@ def _validate(cfg: dict, run_dir: str) -> None:
     if cfg["init_from"] is not None and not os.path.exists(cfg["init_from"]):
         raise LaunchError(
             f"init_from={cfg['init_from']!r} does not exist: give a .safetensors file, an HF "
-            "model.safetensors.index.json, or a directory holding one"
+            "model.safetensors.index.json, a directory holding one, or a checkpoint folder"
         )
     if cfg["device"] not in ("auto", "cpu"):
         raise LaunchError(f"device={cfg['device']!r}: use auto (GPUs where present) or cpu")
@@ -127,6 +134,10 @@ def _validate(cfg: dict, run_dir: str) -> None:
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be true or false")
     if not isinstance(t["log_every"], int) or t["log_every"] < 0:
         raise LaunchError(f"trainer.log_every={t['log_every']!r}: must be a whole number >= 0")
+    for key in ("every", "keep"):
+        value = cfg["checkpoint"][key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise LaunchError(f"checkpoint.{key}={value!r}: must be a whole number >= 0")
     if t["seq"] > cfg["model"]["max_seq"]:
         raise LaunchError(f"trainer.seq={t['seq']} exceeds model.max_seq={cfg['model']['max_seq']}")
     if not 0 < cfg["data"]["val_fraction"] < 1:
@@ -286,7 +297,9 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         with torch.device(device):
             model = GPT(model_cfg)
         GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh)
-    if cfg["init_from"] is not None:
+    if cfg["init_from"] is not None and checkpoint.is_checkpoint(cfg["init_from"]):
+        checkpoint.load(cfg["init_from"], model)  # its weights; the run starts at step 0
+    elif cfg["init_from"] is not None:
         gtp_wrap.load_pretrained(model, cfg["init_from"])
     # The GPT's blocks by name: the default choice takes only blocks holding a sharded weight,
     # and a policy may leave every block whole (replicate_all, a model under min_shard_numel).
@@ -303,12 +316,23 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     history: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": []}
     start = 0
     ckpt_root = _checkpoints(run_dir)
+    data_ranks = world // _tp_size(cfg["mesh"])
+    configured = _settings(optim)
     if cfg["resume"] and (resumed := _resume(ckpt_root, model, optim)) is not None:
         found, extra = resumed
         start, history = extra["step"], extra["history"]
-        sched.load_state_dict(extra["scheduler"])
+        _resume_settings(sched, configured, extra["scheduler"], start)
         if rank == 0:
             log.info("resumed from %s (step %d)", found, start)
+            saved_ranks = extra.get("data_ranks", data_ranks)
+            if saved_ranks != data_ranks:
+                log.warning(
+                    "resumed on %d data rank(s), where %s was saved on %d: trainer.batch is per "
+                    "rank, so a step now takes %d sequences instead of %d, and the steps differ "
+                    "from the run's own (trainer.batch=%s keeps its batch where that divides)",
+                    data_ranks, found.name, saved_ranks, t["batch"] * data_ranks,
+                    t["batch"] * saved_ranks, t["batch"] * saved_ranks / data_ranks,
+                )  # fmt: skip
     elif cfg["resume"] and rank == 0:  # a requeued job's first attempt, or a renamed run
         log.warning(
             "resume=true, but %s holds no checkpoint: starting at step 0. The run directory "
@@ -386,7 +410,8 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
                     log.info("step %d: validation loss %.4f", step + 1, history["val_loss"][-1])
             every = cfg["checkpoint"]["every"]
             if (every and (step + 1) % every == 0) or done:
-                extra = {"step": step + 1, "history": history, "scheduler": sched.state_dict()}
+                extra = {"step": step + 1, "history": history, "scheduler": sched.state_dict(),
+                         "data_ranks": data_ranks}  # fmt: skip
                 checkpoint.save(ckpt_root, model, optim, step=step + 1, extra=extra)
                 checkpoint.prune(ckpt_root, cfg["checkpoint"]["keep"])
 
@@ -416,6 +441,39 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         log.info("run directory: %s (train.log, loss.png, metrics.json, checkpoints/)", out)
 
 
+def _settings(optim: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's hyperparameters per param group, but its learning rates (the schedule's)."""
+    skip = ("params", "lr", "initial_lr")
+    return [{k: v for k, v in g.items() if k not in skip} for g in optim.param_groups]
+
+
+def _resume_settings(
+    sched: torch.optim.lr_scheduler.LambdaLR, configured: list[dict], saved: dict, step: int
+) -> None:
+    """After a resume, the hyperparameters of this run's config over the checkpoint's.
+
+    [Note: settings changed on resume] A load restores the optimizer's hyperparameters and the
+    scheduler's peak rates as saved, so a resume with another trainer.lr, optimizer.lr or
+    trainer.weight_decay would silently train on with the old ones. Where the config differs
+    from the checkpoint, the config's are taken, and the change logged: the schedule goes on
+    from `step` at the new peak rates. With the same config nothing changes.
+    """
+    optim = sched.optimizer
+    peaks = list(sched.base_lrs)  # this run's, before the saved state replaces them
+    sched.load_state_dict(saved)
+    if sched.base_lrs != peaks:
+        log.warning("peak learning rate(s) %s differ from the checkpoint's %s: the schedule goes "
+                    "on from step %d at the new ones", peaks, sched.base_lrs, step)  # fmt: skip
+        sched.base_lrs = peaks
+        for group, base, f in zip(optim.param_groups, peaks, sched.lr_lambdas):
+            group["initial_lr"], group["lr"] = base, base * f(sched.last_epoch)
+    if _settings(optim) != configured:
+        log.warning("optimizer settings %s differ from the checkpoint's %s: taking the new ones",
+                    configured, _settings(optim))  # fmt: skip
+        for group, settings in zip(optim.param_groups, configured):
+            group.update(settings)
+
+
 def _resume(
     root: Path, model: torch.nn.Module, optim: torch.optim.Optimizer
 ) -> tuple[Path, dict[str, Any]] | None:
@@ -439,7 +497,12 @@ def _resume(
             log.warning("rank %d cannot resume from %s: CheckpointError: %s; trying the "
                         "checkpoint before it", dist.get_rank(), ckpt, error)  # fmt: skip
     if first is not None:
-        raise first
+        raise CheckpointError(
+            f"{first}. resume=true continues the run saved in {root} with the model, policy and "
+            "optimizer it was saved with; to train another one, start a new run with "
+            "out_dir=<another directory> (init_from=<a checkpoint folder> starts it from these "
+            "weights)"
+        ) from first
     return None
 
 
@@ -459,7 +522,13 @@ def _run(cfg: DictConfig) -> None:
     except (PolicyError, DataError, LaunchError, ValueError, TypeError) as e:
         _refuse(e)
     job_logging: Any = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)
-    launch(train, plain["nproc"], plain, run_dir, job_logging, cpu=plain["device"] == "cpu")
+    try:
+        launch(train, plain["nproc"], plain, run_dir, job_logging, cpu=plain["device"] == "cpu")
+    except RankStoppedError:  # the rank printed its error (see [Note: a rank's own errors])
+        sys.exit(1)
+    except GTPError as error:  # this process is the rank: under torchrun
+        report_stop(int(os.environ["RANK"]), error)
+        sys.exit(1)
 
 
 _hydra_main: Callable[[], None] = hydra.main(

@@ -54,6 +54,7 @@ _NAME = re.compile(r"^(?:step|ckpt)_(\d{6,})$")
 # 2: every JSON file carries its own checksum (1: only the safetensors files have one).
 _FORMAT = 2
 _JSON_CRC = "json_crc32"
+_FQNS = "gtp_param_fqns"  # a saved param group's parameters, by FQN
 
 
 # ---- state dicts keyed by FQN ---------------------------------------------------------------
@@ -209,7 +210,7 @@ def save(
         meta = {
             "format": _FORMAT,
             "world": world,
-            "param_groups": _param_groups(optimizer),
+            "param_groups": _param_groups(model, optimizer),
             "extra": extra or {},
         }
         try:
@@ -330,12 +331,15 @@ def _exchange(
         ) from e
 
 
-def _param_groups(optimizer: torch.optim.Optimizer | None) -> list[dict]:
+def _param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict]:
+    """Each param group's hyperparameters, and under `_FQNS` its parameters' FQNs, which a
+    load checks (see `_check_param_groups`)."""
     if optimizer is None:
         return []
+    fqn_of = {id(p): name for name, p in model.named_parameters()}
     groups = []
     for g in optimizer.param_groups:
-        entry = {}
+        entry: dict[str, Any] = {_FQNS: [fqn_of.get(id(p), "?") for p in g["params"]]}
         for k, v in g.items():
             if k == "params":
                 continue
@@ -363,6 +367,12 @@ def _complete(root: Path) -> list[Path]:
 def checkpoints(path: str | os.PathLike) -> list[Path]:
     """The complete checkpoints under `path` (a directory of them), lowest step first."""
     return _complete(Path(path))
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is a checkpoint `save` wrote, or a directory holding complete ones."""
+    path = Path(path)
+    return (path / "meta.json").is_file() or bool(_complete(path))
 
 
 def latest(path: str | os.PathLike) -> Path | None:
@@ -436,6 +446,13 @@ def _agree_loaded(engine: GTPEngine | None, path: str | os.PathLike, loaded: boo
 def _load(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """`load`, on this rank alone."""
     if not (ckpt / "meta.json").is_file():
+        if not ckpt.exists():
+            raise CheckpointError(f"{ckpt} does not exist: give a directory checkpoint.save wrote")
+        if ckpt.is_file():
+            raise CheckpointError(
+                f"{ckpt} is a file, and a checkpoint is a directory (what checkpoint.save "
+                "writes); load safetensors weights with gtp_wrap.load_pretrained(model, path)"
+            )
         found = latest(ckpt)
         if found is None:
             raise CheckpointError(f"no complete checkpoint in {ckpt}")
@@ -450,6 +467,8 @@ def _load(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None)
         for key, desc in info["pieces"].items():
             pieces.setdefault(key, []).append(desc | {"file": f"rank{r}", "crc32": info["crc32"]})
 
+    if optimizer is not None:
+        _check_param_groups(ckpt, model, optimizer, meta["param_groups"])
     targets = _flat_tensors(model, optimizer, for_load=True)
     if optimizer is None:  # a model-only load ignores the optimizer state
         pieces = {k: v for k, v in pieces.items() if not k.startswith("optim/")}
@@ -469,6 +488,8 @@ def _load(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None)
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
             for k, v in saved.items():
+                if k == _FQNS:
+                    continue
                 if isinstance(group.get(k), torch.Tensor):
                     group[k].fill_(v)
                 else:
@@ -481,6 +502,33 @@ def _load(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None)
         if "rng/cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["rng/cuda"])
     return meta["extra"]
+
+
+def _check_param_groups(
+    ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, saved: list[dict]
+) -> None:
+    """Refuse an optimizer whose param groups are not the saved ones: hyperparameters are
+    restored group by group, in order, so another grouping (fewer groups, or the same listed in
+    another order) would silently give parameters another group's learning rate or weight
+    decay. Checkpoints of format 2 and later name each group's parameters."""
+    groups = optimizer.param_groups
+    if len(saved) != len(groups):
+        raise CheckpointError(
+            f"{ckpt} was saved with {len(saved)} optimizer param group(s), this optimizer has "
+            f"{len(groups)}: build it with the groups it was saved with, in the same order"
+        )
+    fqn_of = {id(p): name for name, p in model.named_parameters()}
+    for i, (group, entry) in enumerate(zip(groups, saved)):
+        if _FQNS not in entry:
+            continue
+        here = [fqn_of.get(id(p), "?") for p in group["params"]]
+        if set(here) != set(entry[_FQNS]):
+            moved = sorted(set(here) ^ set(entry[_FQNS]))
+            raise CheckpointError(
+                f"{ckpt}: optimizer param group {i} holds other parameters than it was saved "
+                f"with (differing: {', '.join(moved[:4])}{', ...' if len(moved) > 4 else ''}): "
+                "build the optimizer with the groups it was saved with, in the same order"
+            )
 
 
 def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..errors import CheckpointError
 from ..runtime.engine import engine_of
+from .checkpoint import is_checkpoint
 from .state_dict import full_state_dict
 
 # Arguments filled in here: the state dict gathered from the shards, and rank 0 as the writer.
@@ -171,6 +172,12 @@ def _box(value: DTensor) -> tuple[slice, ...]:
 def _files_by_key(path: Path) -> dict[str, Path]:
     """Which file holds each tensor: one safetensors file, or a sharded index's weight map."""
     if path.is_dir():
+        if is_checkpoint(path):
+            raise CheckpointError(
+                f"{path} is a gtp_wrap checkpoint (what checkpoint.save writes), not safetensors "
+                "weights: load it with gtp_wrap.checkpoint.load(path, model), or write its "
+                "weights as one file with gtp_wrap.checkpoint.export_safetensors(file, model)"
+            )
         index, single = path / _INDEX, path / "model.safetensors"
         path = index if index.exists() else single
     if not path.exists():
