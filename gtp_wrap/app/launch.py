@@ -151,7 +151,8 @@ def launch(
     """Run `fn(device, *args)` on every rank: in this process under torchrun, else in `nproc`
     new processes. Ranks take one GPU each where there are GPUs, unless `cpu`; `oversubscribe`
     lets CPU ranks outnumber the cores (for counts and memory, whose figures do not depend on
-    it)."""
+    it). A started rank that stops on a GTPError prints it as one line, and `launch` raises
+    RankStoppedError (see [Note: a rank's own errors])."""
     if under_torchrun():
         run_rank(fn, args, cpu)
         return
