@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from gtp_wrap.scaling import Mesh, Plan, Precision, load_cluster, predict, scale
 from gtp_wrap.scaling.baselines import predict_method
 from gtp_wrap.scaling.chain import Stage, simulate
 from gtp_wrap.scaling.cli import main
-from gtp_wrap.scaling.cluster import ClusterError, Curve, Link
+from gtp_wrap.scaling.cluster import ClusterError, Curve, Link, calibration_dir
 from gtp_wrap.scaling.collectives import KINDS, collective_s
 from gtp_wrap.scaling.mesh import Group, MeshError
 from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig, model_by_name
@@ -468,6 +469,65 @@ def test_cli_plan_and_scale(tmp_path, capsys) -> None:
     assert "weak scaling, gtp_blocks bf16" in (tmp_path / "scaling_gpt_1p36b_h200.md").read_text()
     with pytest.raises(SystemExit, match="ep\\*egtp"):
         main(["--model", "seed280b", "--cluster", "gb200", "--mesh", "gtp=8,ep=64,egtp=2"])
+
+
+def _calibration_with(tmp_path: Path, where: tuple[str, ...], value: object) -> str:
+    """h200.json with one leaf (by its keys) replaced, written under `tmp_path`."""
+    raw = json.loads((calibration_dir() / "h200.json").read_text())
+    leaf = raw
+    for key in where[:-1]:
+        leaf = leaf[key]
+    leaf[where[-1]] = value
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch", "nan"], "batch=nan: give a number of sequences per data rank above 0"),
+        (["--batch", "inf"], "batch=inf: give a number"),
+        (["--mesh", "gtp=16,gtp=8"], "gives gtp twice"),
+        ((("links", "inter", "all_gather", "gbs"), 0), "all_gather.gbs=0 must be above 0"),
+        ((("links", "inter", "all_gather", "gbs"), -5), "all_gather.gbs=-5 must be above 0"),
+        ((("compute", "gemm_tflops"), "fast"), "gemm_tflops='fast' is not a finite number"),
+        ((("gpus_per_node",), 0), "gpus_per_node=0 must be above 0"),
+        ((("memory_gib",), -1), "memory_gib=-1 must be above 0"),
+        ((("host",), [1, 2]), "host must be an object"),
+    ],
+)
+def test_cli_refuses_bad_input_in_one_line(tmp_path: Path, args, message: str) -> None:
+    """Numbers a plan divides by or cannot take (a NaN batch, a link of 0 or -5 GB/s, a
+    throughput that is a word) end in one line naming them, not a traceback or a plan."""
+    cli = ["--model", "llama70b", "--cluster", "h200"]
+    if isinstance(args, tuple):
+        cli = ["--model", "llama70b", "--cluster", _calibration_with(tmp_path, *args)]
+        args = []
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main([*cli, *args])
+
+
+def test_cli_scale_and_all_methods_take_what_they_can(tmp_path: Path, capsys) -> None:
+    """`scale` bases its efficiencies on the fewest GPUs whatever order --gpus gives, refuses a
+    global batch no GPU count can split and an --out it cannot write; `--method all` leaves out
+    the TP variant the heads do not divide, and goes on."""
+    scale_args = ["scale", "--model", "gpt_1p36b", "--cluster", "h200", "--mesh", "gtp=8"]
+    main([*scale_args, "--gpus", "16,8", "--out", str(tmp_path)])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 8 |")]
+    assert rows and all("| 100.0% |" in r for r in rows)
+    with pytest.raises(SystemExit, match="fewer sequences than the data ranks"):
+        main([*scale_args, "--global-batch", "2", "--gpus", "8,16", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="give sequences per step above 0"):
+        main([*scale_args, "--global-batch", "-5", "--out", str(tmp_path)])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="cannot write"):
+        main([*scale_args, "--gpus", "8", "--out", str(tmp_path / "file" / "x")])
+    main(["--model", "gpt_125m", "--cluster", "h200", "--mesh", "dp=2,gtp=4,tp=2",
+          "--method", "all"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "tp: left out (tp=8 must divide the model's 12 heads" in out
+    assert "fsdp2 step of gpt_125m" in out
 
 
 def test_readme_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,7 +32,7 @@ COMMANDS = ("plan", "scale", "compare", "validate", "list")
 def _plan_args(ap: argparse.ArgumentParser, mesh_required: bool) -> None:
     ap.add_argument("--model", required=True, help=f"one of {', '.join(MODELS)}")
     ap.add_argument(
-        "--cluster", required=True, help="a calibration (h200, gb200, cpu_gloo) or a JSON path"
+        "--cluster", required=True, help=f"a calibration ({', '.join(available())}) or a JSON path"
     )
     ap.add_argument(
         "--mesh",
@@ -143,10 +143,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
             if plan.cfg.experts:
                 print("tp: not modelled for a mixture of experts (no expert parallelism there)")
                 continue
-            # the GTP group's GPUs as one TP group, sharing its sequences: same tokens per GPU
-            variant = dataclasses.replace(
-                plan, mesh=Mesh(dp=m.dp, tp=m.gtp * m.tp), batch=plan.batch * m.gtp
-            )
+            tp_plan = _tp_variant(plan, args.method == "all")
+            if tp_plan is None:
+                continue
+            variant = tp_plan
             if m.gtp > 1:
                 print(
                     f"tp: the GTP group's {m.gtp * m.tp} GPUs as one TP group (mesh "
@@ -156,18 +156,38 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(describe(predict_method(variant, method)))
 
 
+def _tp_variant(plan: Plan, all_methods: bool) -> Plan | None:
+    """The plan as TP runs it: the GTP group's GPUs as one TP group, its ranks' sequences
+    together (the same tokens per GPU); None, with a line saying why, where `--method all`
+    meets a TP group that the heads do not divide (asked for alone, that is an error)."""
+    m = plan.mesh
+    try:
+        mesh = Mesh(dp=m.dp, tp=m.gtp * m.tp)
+        return dataclasses.replace(plan, mesh=mesh, batch=plan.batch * m.gtp)
+    except PlanError as e:
+        if not all_methods:
+            raise
+        print(f"tp: left out ({e}: the GTP group's {m.gtp * m.tp} GPUs as one TP group)")
+        return None
+
+
 def _ints(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x]
+        values = [int(x) for x in text.split(",") if x]
     except ValueError:
         raise SystemExit(f"gtp-plan: {text!r}: give comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"gtp-plan: {text!r}: give whole numbers >= 1")
+    return values
 
 
 def cmd_scale(args: argparse.Namespace) -> None:
     plan = make_plan(args)
-    gpus = _ints(args.gpus)
+    gpus = sorted(set(_ints(args.gpus)))  # the fewest GPUs are the base of both efficiencies
     name = f"{plan.cfg.name}_{plan.cluster.name}"
     global_batch = args.global_batch or plan.batch * 1024
+    if not 0 < global_batch < float("inf"):
+        raise PlanError(f"--global-batch {args.global_batch}: give sequences per step above 0")
     label = f"{args.method} {plan.precision.gather}"
     weak = {label: scale.weak(plan, gpus, args.method)}
     strong = {label: scale.strong(plan, global_batch, gpus, args.method)}
@@ -176,6 +196,11 @@ def cmd_scale(args: argparse.Namespace) -> None:
         raise PlanError(
             f"--gpus {args.gpus}: no count holds mesh {plan.mesh.label()}'s model-parallel axes "
             f"whole (multiples of {fewest} GPUs); pass GPU counts from {fewest} up"
+        )
+    if not strong[label]:
+        raise PlanError(
+            f"--global-batch {global_batch:g}: fewer sequences than the data ranks of every GPU "
+            f"count in --gpus (each takes at least one); give a larger global batch"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     text = [
@@ -307,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         commands[args.command](args)
     except (ClusterError, MeshError, ModelError, PlanError, PrecisionError) as e:
         raise SystemExit(f"gtp-plan: {e}") from None
+    except OSError as e:  # --out where no directory can be made or written
+        raise SystemExit(f"gtp-plan: cannot write {e.filename}: {e.strerror}") from None
 
 
 if __name__ == "__main__":

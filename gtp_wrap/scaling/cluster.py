@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -175,12 +176,36 @@ def _value(raw: Any, path: str, sources: dict[str, str]) -> Any:
     return raw
 
 
-def _section(raw: dict, path: str, cls: type, sources: dict[str, str]) -> Any:
+# Rates, sizes and counts a step divides by: a calibration must give them above zero.
+_POSITIVE = ("gbs", "tflops", "gpus_per_node", "compute_units_per_node", "memory_gib",
+             "gemm_units", "gemm_tile_m", "gemm_tile_n", "elementwise_bytes")  # fmt: skip
+
+
+def _number(value: Any, path: str, where: str) -> Any:
+    """A calibration's numeric leaf, checked: a finite number, above zero for the rates and
+    sizes in `_POSITIVE`, else at least zero (times, overheads, contention)."""
+    if value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ClusterError(f"calibration {where}: {path}={value!r} is not a finite number")
+    positive = path.rsplit(".", 1)[-1].endswith(_POSITIVE)
+    if value < 0 or (positive and value == 0):
+        need = "above 0" if positive else ">= 0"
+        raise ClusterError(f"calibration {where}: {path}={value!r} must be {need}")
+    return value
+
+
+def _section(raw: dict, path: str, cls: type, sources: dict[str, str], where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ClusterError(f"calibration {where}: {path} must be an object, not {raw!r}")
     names = [f.name for f in dataclasses.fields(cls)]
     missing = [n for n in names if n not in raw and _has_no_default(cls, n)]
     if missing:
         raise ClusterError(f"calibration section {path!r} lacks {', '.join(missing)}")
-    return cls(**{n: _value(raw[n], f"{path}.{n}", sources) for n in names if n in raw})
+    return cls(**{
+        n: _number(_value(raw[n], f"{path}.{n}", sources), f"{path}.{n}", where)
+        for n in names if n in raw
+    })  # fmt: skip
 
 
 def _has_no_default(cls: type, name: str) -> bool:
@@ -188,16 +213,19 @@ def _has_no_default(cls: type, name: str) -> bool:
     return field.default is dataclasses.MISSING
 
 
-def _link(raw: dict, path: str, sources: dict[str, str]) -> Link:
+def _link(raw: dict, path: str, sources: dict[str, str], where: str) -> Link:
     return Link(
-        _section(raw["all_gather"], f"{path}.all_gather", Curve, sources),
-        _section(raw["reduce_scatter"], f"{path}.reduce_scatter", Curve, sources),
+        _section(raw["all_gather"], f"{path}.all_gather", Curve, sources, where),
+        _section(raw["reduce_scatter"], f"{path}.reduce_scatter", Curve, sources, where),
     )
 
 
 def cluster_from_dict(raw: dict, where: str) -> Cluster:
     """A Cluster from a calibration JSON's content; `where` names it in errors."""
     sources: dict[str, str] = {}
+    if not isinstance(raw, dict):
+        raise ClusterError(f"calibration {where} must hold a JSON object, not {type(raw).__name__}")
+    numeric = ("gpus_per_node", "memory_gib", "contention_compute", "contention_comm")
     try:
         top = {
             k: _value(raw[k], k, sources)
@@ -213,14 +241,16 @@ def cluster_from_dict(raw: dict, where: str) -> Cluster:
                 "contention_comm",
             )
         }
+        for k in numeric:
+            _number(top[k], k, where)
         units = _value(raw.get("compute_units_per_node", top["gpus_per_node"]), "units", sources)
         return Cluster(
             **top,
-            compute_units_per_node=units,
-            intra=_link(raw["links"]["intra"], "links.intra", sources),
-            inter=_link(raw["links"]["inter"], "links.inter", sources),
-            compute=_section(raw["compute"], "compute", Compute, sources),
-            host=_section(raw["host"], "host", Host, sources),
+            compute_units_per_node=_number(units, "compute_units_per_node", where),
+            intra=_link(raw["links"]["intra"], "links.intra", sources, where),
+            inter=_link(raw["links"]["inter"], "links.inter", sources, where),
+            compute=_section(raw["compute"], "compute", Compute, sources, where),
+            host=_section(raw["host"], "host", Host, sources, where),
             runs=tuple(raw.get("runs", ())),
             probe_s=_value(raw.get("probe_s", 0.0), "probe_s", sources),
             host_probe_ms=_value(raw.get("host_probe_ms", 0.0), "host_probe_ms", sources),
@@ -228,6 +258,10 @@ def cluster_from_dict(raw: dict, where: str) -> Cluster:
         )
     except KeyError as e:
         raise ClusterError(f"calibration {where} lacks the key {e}; see calibrate.py") from e
+    except TypeError as e:  # a section that is not an object
+        raise ClusterError(
+            f"calibration {where} is not laid out as calibrate.py writes ({e})"
+        ) from e
 
 
 def calibration_dir() -> Path:

@@ -69,6 +69,8 @@ class Mesh:
                     f"mesh item {item!r}: write AXIS=N with AXIS one of {', '.join(AXES)}, "
                     "e.g. --mesh dp=8,gtp=8"
                 )
+            if key in sizes:
+                raise MeshError(f"mesh {text!r} gives {key} twice: give each axis once")
             sizes[key] = int(value)
         return cls(**sizes, expert_layout=expert_layout)
 

@@ -69,8 +69,8 @@ class Plan:
     host_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.batch <= 0:
-            raise PlanError(f"batch={self.batch}: give at least one sequence per data rank")
+        if not 0 < self.batch < math.inf:
+            raise PlanError(f"batch={self.batch}: give a number of sequences per data rank above 0")
         if self.prefetch_depth < 0 or self.group_numel < 0:
             raise PlanError("prefetch_depth and group_numel must be >= 0 (as in GTPPolicy)")
         m, mesh = self.model, self.mesh
