@@ -228,3 +228,40 @@ def _unfreeze_one_of_many(rank: int, world: int) -> float:
 
 def test_unfreezing_one_of_several_frozen_replicated_parameters() -> None:
     assert max(run_ranks(_unfreeze_one_of_many, 2)) < 1e-5
+
+
+def _penalty_outside_forward(rank: int, world: int) -> list[str]:
+    """A weight penalty summed over model.parameters() outside the forward, before it, after
+    it, and before it after an optimizer step (interception off): each backward raises."""
+    torch.manual_seed(0)
+    model = GTPWrap(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
+                    {"min_shard_numel": 0})  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16)
+    errors = []
+    for when in ("before", "after", "before, after a step"):
+        if when == "before, after a step":
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        penalty = None if when == "after" else sum(p.square().sum() for p in model.parameters())
+        loss = model(x).square().mean()
+        if penalty is None:
+            penalty = sum(p.square().sum() for p in model.parameters())
+        try:
+            (loss + 1e-2 * penalty).backward()
+        except gtp_wrap.WrapError as error:
+            errors.append(str(error))
+        opt.zero_grad()
+    return errors
+
+
+def test_a_penalty_on_shards_outside_the_forward_is_refused_in_backward() -> None:
+    """Outside the model's passes a sharded parameter holds this rank's rows, so a penalty on
+    it is one rank's part, and its gradient would be silently wrong ([Note: gradients of
+    shards], core/parameter.py): the gradient reaching the parameter raises, naming it."""
+    for errors in run_ranks(_penalty_outside_forward, 2):
+        assert len(errors) == 3, errors
+        named = ("'0.weight' got a gradient through an op outside",
+                 "'2.weight' got a gradient through an op outside")  # fmt: skip
+        assert all(e.startswith(named) for e in errors), errors

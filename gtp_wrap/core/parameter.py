@@ -328,4 +328,31 @@ def make_gtp_parameter(
     p = GTPParameter(data, requires_grad=requires_grad)
     p.gtp_weight = weight
     weight.param = p
+    if requires_grad and type(weight) is ShardedWeight and weight.axis.size > 1:
+        torch.Tensor.register_hook(p, _RefuseGradOfShard(weight))
     return p
+
+
+class _RefuseGradOfShard:
+    """[Note: gradients of shards] The engine hands every use's gradient of a weight sharded
+    over more than one rank to its reduce-scatter, which writes `.grad`; autograd never
+    delivers one to the parameter itself. One that arrives there came from an op on the
+    parameter outside the model's passes (a weight penalty summed over `model.parameters()`
+    before or after the forward, say), where it holds only this rank's rows: the penalty is
+    one rank's part and the gradient would silently be wrong. The hook, which no correct use
+    ever runs, refuses it; outside passes an op cannot tell such a use from an optimizer's or
+    an inspection's, and after a step interception is off (see [Note: optimizer steps without
+    interception])."""
+
+    def __init__(self, weight: ShardedWeight) -> None:
+        self.fqn = weight.fqn
+
+    def __call__(self, grad: torch.Tensor | None) -> None:
+        if grad is None:  # autograd runs a leaf's hooks on the None its uses hand back
+            return
+        raise WrapError(
+            f"'{self.fqn}' got a gradient through an op outside the wrapped model's forward "
+            "(e.g. a weight penalty computed from model.parameters() before or after it), "
+            "where the parameter holds only this rank's rows, so the result was one rank's "
+            "part. Compute it inside the model's forward, where uses read the full weight"
+        )
