@@ -3,6 +3,7 @@ the forms a policy takes, and the warnings for rules or wraps that do nothing.""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -118,6 +119,18 @@ def test_one_default_min_shard_numel() -> None:
     assert _sharded(nn.Sequential(nn.Linear(128, 128)), readme)["0.weight"] == 0
 
 
+def test_a_policy_file_starts_from_a_built_in_policy(tmp_path) -> None:
+    """A YAML of one's own, outside configs/, whose defaults list names a built-in policy (as
+    the README's `mine.yaml` does for gtp-train) takes it through the Python API too; one beside
+    it of the same name comes first."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("defaults: [bf16, _self_]\nprefetch_depth: 2\n")
+    bf16 = resolve_policy(CONFIG_DIR / "policy" / "bf16.yaml")
+    assert resolve_policy(str(mine)) == dataclasses.replace(bf16, prefetch_depth=2)
+    (tmp_path / "bf16.yaml").write_text("prefetch_depth: 3\n")
+    assert resolve_policy(str(mine)) == GTPPolicy(prefetch_depth=2)
+
+
 def test_a_rule_matching_nothing_warns_with_close_matches() -> None:
     model = ConvNet()
     with pytest.warns(PolicyWarning, match=r"rule 'Linaer' matched no.*did you mean 'Linear'"):
@@ -126,6 +139,9 @@ def test_a_rule_matching_nothing_warns_with_close_matches() -> None:
         plan_parameters(model, GTPPolicy(rules=(LayerRule("torch.nn.Conv3d"), LayerRule("Linear"))))
     with pytest.warns(PolicyWarning, match=r"'hed.weight'.*did you mean 'head.weight'"):
         plan_parameters(model, GTPPolicy(rules=(LayerRule("hed.weight"), LayerRule("Conv2d"))))
+    # A module's FQN matches none of its parameters: the hint is its glob.
+    with pytest.warns(PolicyWarning, match=r"rule 'head' matched no.*did you mean 'head\.\*'"):
+        plan_parameters(model, GTPPolicy(rules=(LayerRule("head"), LayerRule("Conv2d"))))
     with pytest.raises(PolicyError, match="strict rule 'Linaer'.*drop strict=True"):
         plan_parameters(model, GTPPolicy(rules=(LayerRule("Linaer", strict=True),)))
     with pytest.raises(PolicyError, match=r"rule 'Linaer'.*drop GTPPolicy.strict"):

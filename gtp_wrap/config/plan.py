@@ -241,8 +241,11 @@ def _close_matches(rule: LayerRule, module: nn.Module) -> str:
     if prefix and last[:1].isupper() and not rule.is_fqn_glob:  # a dotted class path
         close = [f"{prefix}.{c}" for c in difflib.get_close_matches(last, sorted(classes))]
     else:
-        names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_modules()}
-        close = difflib.get_close_matches(rule.match, sorted(classes | names - {""}))
+        params = {n for n, _ in module.named_parameters()}
+        modules = {n for n, _ in module.named_modules()} - {""}
+        close = difflib.get_close_matches(rule.match, sorted(classes | params | modules))
+        # A module's name matches none of its parameters' FQNs: its glob does.
+        close = [f"{c}.*" if c in modules and c not in classes else c for c in close]
     return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 

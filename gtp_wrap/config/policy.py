@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.resources
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
@@ -384,7 +385,8 @@ def _to_container(obj: Any) -> Any:
 def _load_yaml(path: str, including: tuple[str, ...] = ()) -> Mapping[str, Any]:
     """A policy file's fields. A file of a Hydra config group (configs/policy/*.yaml) may start
     from others of its group through a `defaults` list, as Hydra composes it: each name is a
-    file beside this one, `_self_` places this file's own fields (last when absent)."""
+    file beside this one or a built-in policy, `_self_` places this file's own fields (last when
+    absent)."""
     if not os.path.isfile(path):
         raise PolicyError(f"policy file {path!r} does not exist")
     if path in including:
@@ -410,6 +412,16 @@ def _load_yaml(path: str, including: tuple[str, ...] = ()) -> Mapping[str, Any]:
         if name == "_self_":
             fields.update(own)
         else:
-            sibling = os.path.join(os.path.dirname(path), f"{name}.yaml")
-            fields.update(_load_yaml(sibling, (*including, path)))
+            fields.update(_load_yaml(_default_file(path, name), (*including, path)))
     return fields
+
+
+def _default_file(path: str, name: str) -> str:
+    """The policy file a defaults list's `name` means: the one beside `path`, else the
+    built-in one (configs/policy/, shipped as gtp_wrap.configs), as gtp-train's Hydra search
+    path finds it."""
+    sibling = os.path.join(os.path.dirname(path), f"{name}.yaml")
+    builtin = str(importlib.resources.files("gtp_wrap.configs") / "policy" / f"{name}.yaml")
+    if os.path.isfile(sibling) or not os.path.isfile(builtin):
+        return sibling
+    return builtin
