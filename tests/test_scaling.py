@@ -530,6 +530,20 @@ def test_cli_scale_and_all_methods_take_what_they_can(tmp_path: Path, capsys) ->
     assert "fsdp2 step of gpt_125m" in out
 
 
+def test_compare_takes_a_mixture_of_experts_and_a_cluster_without_fp8(tmp_path: Path) -> None:
+    """`compare` of the seed's MoE on its default mesh (ep=64) sweeps the dense Llama family on
+    dense meshes and leaves TP out for the MoE; on a cluster with no FP8 or NVFP4 decode
+    calibration it compares what it can and says what it left out."""
+    main(["compare", "--model", "seed280b", "--cluster", "gb200", "--out", str(tmp_path)])
+    text = (tmp_path / "compare_seed280b_gb200.md").read_text()
+    by_size = text.split("by group size")[1].split("##")[0]
+    rows = [r for r in by_size.splitlines() if r.startswith("| 2 |")]
+    assert rows and rows[0].rstrip().endswith("| n/a |")
+    main(["compare", "--model", "gpt_125m", "--cluster", "cpu_gloo", "--out", str(tmp_path)])
+    text = (tmp_path / "compare_gpt_125m_cpu_gloo.md").read_text()
+    assert "- fp8 against bf16: not calibrated on cpu_gloo" in text
+
+
 def test_readme_commands_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every gtp-plan line of the README's planning section runs and prints a plan or writes
     its tables (its --out pointed at a temporary folder): the first as a user runs it, the

@@ -260,7 +260,12 @@ def cmd_compare(args: argparse.Namespace) -> None:
     ]
     family = [2048, 4096, 5120, 8192, 12288, 16384]
     by_size = scale.compare_models(plan, [llama_like(d, plan.cfg.seq) for d in family], args.span)
-    gathers = scale.compare_bandwidth(spanning, bandwidths, scale.gather_dtype_variants(spanning))
+    variants = {
+        dtype: variant
+        for dtype, variant in scale.gather_dtype_variants(spanning).items()
+        if _predictable(variant)  # a calibration without a dtype's decode leaves it out
+    }
+    gathers = scale.compare_bandwidth(spanning, bandwidths, variants)
     text = [
         f"## GTP against FSDP2 and TP: {plan.cfg.name} on {plan.cluster.name}"
         f"{' (nominal)' if plan.cluster.nominal else ''}, batch {plan.batch:g} x {plan.cfg.seq} "
@@ -280,6 +285,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
     ]
     text.append("")
     for better, than in (("nvfp4", "bf16"), ("nvfp4", "fp8"), ("fp8", "bf16")):
+        if better not in variants or than not in variants:
+            text.append(f"- {better} against {than}: not calibrated on {plan.cluster.name}")
+            continue
         where = scale.where_faster(gathers, better, than)
         text.append(f"- {better} gathers are faster than {than}: {where} GB/s per GPU")
     (args.out / f"compare_{name}.md").write_text("\n".join(text) + "\n")
@@ -295,6 +303,15 @@ def cmd_compare(args: argparse.Namespace) -> None:
     )
     print("\n".join(text))
     print(f"wrote {args.out}/compare_{name}.md and .png")
+
+
+def _predictable(plan: Plan) -> bool:
+    """Whether the cluster's calibration covers the plan's precision (decoding FP8, NVFP4)."""
+    try:
+        predict_method(plan, "gtp")
+    except ClusterError:
+        return False
+    return True
 
 
 def cmd_validate(args: argparse.Namespace) -> None:

@@ -145,7 +145,8 @@ class Point:
 
 def three_ways(plan: Plan, n: int, graphed_gtp: bool = True) -> dict[str, Prediction | None]:
     """GTP over `n` GPUs (graphed if `graphed_gtp`), FSDP2 over them (eager) and TP over them
-    (None where `n` does not divide the heads), the plan's dp replicas kept. TP's group shares
+    (None where `n` does not divide the heads, or for a mixture of experts, which the TP
+    baseline does not model), the plan's dp replicas kept. TP's group shares
     one batch: it gets `n` times the plan's sequences, for the same tokens per GPU."""
     dp = plan.mesh.dp
     gtp_plan = dataclasses.replace(plan, mesh=Mesh(dp=dp, gtp=n), graphed=graphed_gtp)
@@ -155,7 +156,7 @@ def three_ways(plan: Plan, n: int, graphed_gtp: bool = True) -> dict[str, Predic
         "fsdp2": predict_method(dataclasses.replace(gtp_plan, graphed=False), "fsdp2"),
         "tp": None,
     }
-    if plan.model.heads % n == 0:
+    if not plan.model.experts and plan.model.heads % n == 0:  # TP: dense models only
         tp_plan = dataclasses.replace(
             plan, mesh=Mesh(dp=dp, tp=n), batch=plan.batch * n, graphed=graphed_gtp
         )
@@ -169,8 +170,12 @@ def compare_group_sizes(plan: Plan, sizes: Sequence[int]) -> list[Point]:
 
 
 def compare_models(plan: Plan, models: Sequence[ModelConfig], n: int) -> list[Point]:
-    """`three_ways` over `n` GPUs for each model (x: its width d)."""
-    return [Point(m.d, three_ways(dataclasses.replace(plan, model=m), n)) for m in models]
+    """`three_ways` over `n` GPUs for each model (x: its width d), on the plan's dp replicas
+    (its expert axes are the plan's model's, not theirs)."""
+    dense = Mesh(dp=plan.mesh.dp)
+    return [
+        Point(m.d, three_ways(dataclasses.replace(plan, model=m, mesh=dense), n)) for m in models
+    ]
 
 
 def compare_bandwidth(
