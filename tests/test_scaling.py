@@ -530,6 +530,22 @@ def test_cli_scale_and_all_methods_take_what_they_can(tmp_path: Path, capsys) ->
     assert "fsdp2 step of gpt_125m" in out
 
 
+def test_plan_texts_say_what_the_model_models(capsys) -> None:
+    """No more gathered buffers than the whole model whatever the depth; a mesh named as given;
+    the floor (whose memory is not modelled) without fit advice; advice that names tp."""
+    plan = Plan(LLAMA70B, load_cluster("h200"), Mesh(gtp=64), prefetch_depth=1000)
+    pred = predict(plan)  # bf16 gathers, and a group's fp32 gradients (two groups')
+    assert pred.memory.gathered <= LLAMA70B.n_params * 2 + 2 * pred.largest_group_numel * 4
+    with pytest.raises(SystemExit, match=r"mesh ep=2: ep\*egtp=2 must divide"):
+        main(["--model", "llama70b", "--cluster", "h200", "--mesh", "ep=2"])
+    main(["--model", "llama70b", "--cluster", "h200", "--mesh", "gtp=64", "--seq", "131072",
+          "--recompute"])  # fmt: skip
+    assert "split activations and logits with tp" in capsys.readouterr().out
+    main(["--model", "gpt_125m", "--cluster", "cpu_gloo", "--mesh", "dp=2,gtp=4,tp=2",
+          "--method", "floor", "--batch", "64"])  # fmt: skip
+    assert "does not fit" not in capsys.readouterr().out
+
+
 def test_compare_takes_a_mixture_of_experts_and_a_cluster_without_fp8(tmp_path: Path) -> None:
     """`compare` of the seed's MoE on its default mesh (ep=64) sweeps the dense Llama family on
     dense meshes and leaves TP out for the MoE; on a cluster with no FP8 or NVFP4 decode

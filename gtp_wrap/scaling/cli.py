@@ -123,11 +123,13 @@ def describe(pred: Prediction) -> str:
     )
     width = max(len(k) for k, _ in pred.rows())
     lines = [head] + [f"  {k:<{width}}  {v}" for k, v in pred.rows()]
-    if not pred.fits:
+    if not pred.fits and pred.method != "floor":  # the floor's memory is not modelled
         fewer = "" if plan.recompute else ", keep fewer activations (--recompute)"
+        where = "GPU" if cl.async_host else "CPU rank"
         lines.append(
-            f"  does not fit: the peak exceeds the GPU's {cl.memory_gib:.0f} GiB; shard "
-            f"over more GPUs (gtp, ep/egtp){fewer} or take a smaller batch"
+            f"  does not fit: the peak exceeds a {where}'s {cl.memory_gib:.0f} GiB; shard the "
+            f"weights over more GPUs (gtp, ep/egtp), split activations and logits with tp"
+            f"{fewer}, or take a smaller batch or shorter sequences"
         )
     if plan.cfg.note:
         lines.append(f"  model: {plan.cfg.note}")
@@ -206,7 +208,7 @@ def cmd_scale(args: argparse.Namespace) -> None:
     text = [
         f"## Scaling of {plan.cfg.name} on {plan.cluster.name}"
         f"{' (nominal)' if plan.cluster.nominal else ''}, base mesh {plan.mesh.label()}, "
-        f"{'graphed' if plan.graphed else 'eager'}",
+        f"{'graphed' if plan.graphed and args.method != 'fsdp2' else 'eager'}",
         "",
         plan.cfg.note,
         "",

@@ -87,8 +87,11 @@ def memory(
     the group in use, each at most `largest_group_numel` full elements; with `recompute`, the
     blocks' inputs (bf16) and one block's activations."""
     shard = local_numel(model, mesh)
-    group = largest_group_numel
-    gathered = (depth + 1) * group * precision.gather_bytes
+    # No more is gathered at once than the whole model (a tp rank's part of it), whatever the
+    # depth and group size.
+    everything = model.n_params / mesh.tp
+    group = min(largest_group_numel, everything)
+    gathered = min((depth + 1) * group, everything) * precision.gather_bytes
     if precision.encoded:  # a use's decoded copy beside the encoded buffers
         gathered += group * precision.compute_bytes
     gathered += 2 * group * precision.reduce_bytes  # a group's full gradient, and the next's

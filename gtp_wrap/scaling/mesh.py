@@ -54,7 +54,7 @@ class Mesh:
             )
         if self.world % (self.ep * self.egtp):
             raise MeshError(
-                f"mesh {self}: ep*egtp={self.ep * self.egtp} must divide the world of "
+                f"mesh {self.label()}: ep*egtp={self.ep * self.egtp} must divide the world of "
                 f"dp*gtp*tp={self.world} GPUs; change ep or egtp"
             )
 
