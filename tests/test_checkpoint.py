@@ -369,6 +369,18 @@ def test_an_optimizer_grouped_otherwise_is_refused(tmp_path, order: str, message
     assert [(g["lr"], g["weight_decay"]) for g in same.param_groups] == [(1e-2, 0.1), (1e-3, 0.0)]
 
 
+def test_a_checkpoint_saved_without_optimizer_loads_with_one(tmp_path) -> None:
+    """Weights saved alone load into a model whose optimizer then starts without state (no
+    param groups to check)."""
+    model = GTPWrap(_model(), POLICY)
+    ckpt.save(tmp_path, model)
+    fresh = GTPWrap(TinyGPT(vocab=VOCAB), POLICY)
+    opt = _grouped(fresh, "matrices first")
+    ckpt.load(tmp_path, fresh, opt)
+    _assert_same(gtp_wrap.full_state_dict(fresh), gtp_wrap.full_state_dict(model))
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(1e-2, 0.1), (1e-3, 0.0)]
+
+
 def test_checkpoint_is_reachable_from_the_package() -> None:
     """As the README uses it: `gtp_wrap.checkpoint.save` after `import gtp_wrap` alone."""
     assert gtp_wrap.checkpoint.save is ckpt.save and gtp_wrap.CheckpointError is CheckpointError

@@ -298,7 +298,10 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
             model = GPT(model_cfg)
         GTPWrap(model, policy, mesh=mesh, expert_mesh=expert_mesh)
     if cfg["init_from"] is not None and checkpoint.is_checkpoint(cfg["init_from"]):
-        checkpoint.load(cfg["init_from"], model)  # its weights; the run starts at step 0
+        # Its weights only: the run starts at step 0, with this run's seed's random state (a
+        # load would restore the saved run's).
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            checkpoint.load(cfg["init_from"], model)
     elif cfg["init_from"] is not None:
         gtp_wrap.load_pretrained(model, cfg["init_from"])
     # The GPT's blocks by name: the default choice takes only blocks holding a sharded weight,
@@ -326,12 +329,14 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
             log.info("resumed from %s (step %d)", found, start)
             saved_ranks = extra.get("data_ranks", data_ranks)
             if saved_ranks != data_ranks:
+                total = t["batch"] * saved_ranks
+                keep = (f"trainer.batch={total // data_ranks} keeps it" if total % data_ranks == 0
+                        else "no whole trainer.batch keeps it")  # fmt: skip
                 log.warning(
                     "resumed on %d data rank(s), where %s was saved on %d: trainer.batch is per "
-                    "rank, so a step now takes %d sequences instead of %d, and the steps differ "
-                    "from the run's own (trainer.batch=%s keeps its batch where that divides)",
-                    data_ranks, found.name, saved_ranks, t["batch"] * data_ranks,
-                    t["batch"] * saved_ranks, t["batch"] * saved_ranks / data_ranks,
+                    "rank, so a step now takes %d sequences instead of %d (%s), and the steps "
+                    "differ from the run's own", data_ranks, found.name, saved_ranks,
+                    t["batch"] * data_ranks, total, keep,
                 )  # fmt: skip
     elif cfg["resume"] and rank == 0:  # a requeued job's first attempt, or a renamed run
         log.warning(
@@ -461,15 +466,22 @@ def _resume_settings(
     optim = sched.optimizer
     peaks = list(sched.base_lrs)  # this run's, before the saved state replaces them
     sched.load_state_dict(saved)
+    speaks = dist.get_rank() == 0  # every rank takes the new settings, rank 0 logs them
     if sched.base_lrs != peaks:
-        log.warning("peak learning rate(s) %s differ from the checkpoint's %s: the schedule goes "
-                    "on from step %d at the new ones", peaks, sched.base_lrs, step)  # fmt: skip
+        if speaks:
+            log.warning(
+                "peak learning rate(s) %s differ from the checkpoint's %s: the schedule goes on "
+                "from step %d at the new ones", peaks, sched.base_lrs, step,
+            )  # fmt: skip
         sched.base_lrs = peaks
         for group, base, f in zip(optim.param_groups, peaks, sched.lr_lambdas):
             group["initial_lr"], group["lr"] = base, base * f(sched.last_epoch)
     if _settings(optim) != configured:
-        log.warning("optimizer settings %s differ from the checkpoint's %s: taking the new ones",
-                    configured, _settings(optim))  # fmt: skip
+        if speaks:
+            log.warning(
+                "optimizer settings %s differ from the checkpoint's %s: taking the new ones",
+                configured, _settings(optim),
+            )  # fmt: skip
         for group, settings in zip(optim.param_groups, configured):
             group.update(settings)
 

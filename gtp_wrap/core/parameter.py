@@ -339,10 +339,11 @@ class _RefuseGradOfShard:
     delivers one to the parameter itself. One that arrives there came from an op on the
     parameter outside the model's passes (a weight penalty summed over `model.parameters()`
     before or after the forward, say), where it holds only this rank's rows: the penalty is
-    one rank's part and the gradient would silently be wrong. The hook, which no correct use
-    ever runs, refuses it; outside passes an op cannot tell such a use from an optimizer's or
-    an inspection's, and after a step interception is off (see [Note: optimizer steps without
-    interception])."""
+    one rank's part and the gradient would silently be wrong. The hook refuses it (autograd
+    also calls it with the None each of the engine's uses hands back: one Python call per
+    use in backward, which it returns from at once). An op outside passes cannot tell such a
+    use from an optimizer's or an inspection's, and after a step interception is off (see
+    [Note: optimizer steps without interception])."""
 
     def __init__(self, weight: ShardedWeight) -> None:
         self.fqn = weight.fqn

@@ -512,6 +512,8 @@ def _check_param_groups(
     another order) would silently give parameters another group's learning rate or weight
     decay. Checkpoints of format 2 and later name each group's parameters."""
     groups = optimizer.param_groups
+    if not saved:  # saved without an optimizer: this one starts without state, as before
+        return
     if len(saved) != len(groups):
         raise CheckpointError(
             f"{ckpt} was saved with {len(saved)} optimizer param group(s), this optimizer has "
