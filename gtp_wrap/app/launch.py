@@ -85,11 +85,11 @@ def _rank_entry(
         # "Error executing job"). The rank prints that one line instead (rank 0 to its run's log
         # too) and exits with a status of its own, which `launch` turns into RankStoppedError.
         # Errors of any other kind (bugs) keep their traceback.
-        report_stop(local_rank, error)
+        _report_stop(local_rank, error)
         sys.exit(_REPORTED)
 
 
-def report_stop(rank: int, error: BaseException) -> None:
+def _report_stop(rank: int, error: BaseException) -> None:
     """Print the error a rank stops on as one line on stderr, and write it to the run's log
     files where this rank keeps any (see [Note: a rank's own errors])."""
     line = f"rank {rank}: {type(error).__name__}: {error}"
@@ -151,10 +151,14 @@ def launch(
     """Run `fn(device, *args)` on every rank: in this process under torchrun, else in `nproc`
     new processes. Ranks take one GPU each where there are GPUs, unless `cpu`; `oversubscribe`
     lets CPU ranks outnumber the cores (for counts and memory, whose figures do not depend on
-    it). A started rank that stops on a GTPError prints it as one line, and `launch` raises
-    RankStoppedError (see [Note: a rank's own errors])."""
-    if under_torchrun():
-        run_rank(fn, args, cpu)
+    it). A rank that stops on a GTPError prints it as one line, and `launch` raises
+    RankStoppedError (see [Note: a rank's own errors]), under torchrun too."""
+    if under_torchrun():  # this process is the rank
+        try:
+            run_rank(fn, args, cpu)
+        except GTPError as error:  # see [Note: a rank's own errors]
+            _report_stop(int(os.environ["RANK"]), error)
+            raise RankStoppedError("this rank stopped on the error it printed") from None
         return
     if not (cpu and oversubscribe):
         check_local_devices(nproc, cpu)

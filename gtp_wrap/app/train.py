@@ -36,7 +36,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import gtp_wrap
 from gtp_wrap import GTPPolicy, GTPWrap
 from gtp_wrap.config.policy import resolve_policy
-from gtp_wrap.errors import CheckpointError, GTPError, PolicyError
+from gtp_wrap.errors import CheckpointError, PolicyError
 from gtp_wrap.mesh import DP_GTP, EXPERT_DIMS, MESH_DIMS
 from gtp_wrap.optim import Muon, muon_param_groups
 
@@ -48,7 +48,6 @@ from .launch import (
     RankStoppedError,
     check_local_devices,
     launch,
-    report_stop,
     under_torchrun,
 )
 from .model import GPT, GPTConfig
@@ -537,9 +536,6 @@ def _run(cfg: DictConfig) -> None:
     try:
         launch(train, plain["nproc"], plain, run_dir, job_logging, cpu=plain["device"] == "cpu")
     except RankStoppedError:  # the rank printed its error (see [Note: a rank's own errors])
-        sys.exit(1)
-    except GTPError as error:  # this process is the rank: under torchrun
-        report_stop(int(os.environ["RANK"]), error)
         sys.exit(1)
 
 

@@ -60,10 +60,20 @@ _FQNS = "gtp_param_fqns"  # a saved param group's parameters, by FQN
 # ---- state dicts keyed by FQN ---------------------------------------------------------------
 
 
+def _fqns(model: nn.Module) -> dict[int, str]:
+    """Each parameter's FQN by its id (a tied parameter's first name)."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _group_fqns(fqn_of: dict[int, str], group: dict[str, Any]) -> list[str]:
+    """A param group's parameters by FQN ("?" for one the model does not hold)."""
+    return [fqn_of.get(id(p), "?") for p in group["params"]]
+
+
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's per-parameter state keyed by parameter FQN; the state of sharded
     parameters as DTensors of the logical shape, so it reshards with the model."""
-    fqn_of = {id(p): name for name, p in model.named_parameters()}
+    fqn_of = _fqns(model)
     engine = engine_of(model) if is_wrapped(model) else None
     # Sharded weights, and tensor-parallel blocks that GTP replicates; one process holds whole
     # weights.
@@ -336,10 +346,10 @@ def _param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     load checks (see `_check_param_groups`)."""
     if optimizer is None:
         return []
-    fqn_of = {id(p): name for name, p in model.named_parameters()}
+    fqn_of = _fqns(model)
     groups = []
     for g in optimizer.param_groups:
-        entry: dict[str, Any] = {_FQNS: [fqn_of.get(id(p), "?") for p in g["params"]]}
+        entry: dict[str, Any] = {_FQNS: _group_fqns(fqn_of, g)}
         for k, v in g.items():
             if k == "params":
                 continue
@@ -510,7 +520,7 @@ def _check_param_groups(
     """Refuse an optimizer whose param groups are not the saved ones: hyperparameters are
     restored group by group, in order, so another grouping (fewer groups, or the same listed in
     another order) would silently give parameters another group's learning rate or weight
-    decay. Checkpoints of format 2 and later name each group's parameters."""
+    decay. Where the checkpoint names each group's parameters, their sets are compared too."""
     groups = optimizer.param_groups
     if not saved:  # saved without an optimizer: this one starts without state, as before
         return
@@ -519,11 +529,11 @@ def _check_param_groups(
             f"{ckpt} was saved with {len(saved)} optimizer param group(s), this optimizer has "
             f"{len(groups)}: build it with the groups it was saved with, in the same order"
         )
-    fqn_of = {id(p): name for name, p in model.named_parameters()}
+    fqn_of = _fqns(model)
     for i, (group, entry) in enumerate(zip(groups, saved)):
-        if _FQNS not in entry:
+        if _FQNS not in entry:  # saved before groups named their parameters
             continue
-        here = [fqn_of.get(id(p), "?") for p in group["params"]]
+        here = _group_fqns(fqn_of, group)
         if set(here) != set(entry[_FQNS]):
             moved = sorted(set(here) ^ set(entry[_FQNS]))
             raise CheckpointError(
