@@ -616,3 +616,44 @@ def test_the_tp_baseline_says_how_it_turned_the_gtp_mesh_into_tp(
         "sequences of its 16 ranks together (batch 16): the same tokens per GPU"
     )
     assert "mesh dp=4,tp=16 (64 GPUs), batch 16 x 4096" in out
+
+
+def test_a_model_from_gtp_trains_configs_or_a_file(tmp_path: Path) -> None:
+    """`--model` takes gtp-train's model configs by name and any YAML or JSON file of their
+    keys: the cost model then counts the parameters the app's own GPT holds, and a file the
+    model cannot read is one line that names the key or the file."""
+    from omegaconf import OmegaConf
+
+    from gtp_wrap.app.model import GPTConfig
+    from gtp_wrap.scaling.model import load_model, train_configs
+
+    assert {"gpt_small", "moe_1b", "moe_tiny"} <= set(train_configs())
+    for name in train_configs():
+        keys = OmegaConf.to_container(OmegaConf.load(Path("configs/model") / f"{name}.yaml"))
+        model = load_model(name)
+        assert model.n_params == GPTConfig(**keys).n_params, name  # type: ignore[arg-type]
+        assert model.seq == keys["max_seq"]  # type: ignore[index]
+    mine = {"vocab": 1000, "d": 64, "layers": 2, "heads": 4, "ffn": 128, "kv_heads": 2}
+    (tmp_path / "mine.json").write_text(json.dumps(mine))
+    (tmp_path / "mine.yaml").write_text("".join(f"{k}: {v}\n" for k, v in mine.items()))
+    from_json, from_yaml = (
+        load_model(str(tmp_path / "mine.json")),
+        load_model(str(tmp_path / "mine.yaml")),
+    )
+    assert from_json == dataclasses.replace(from_yaml, note=from_json.note)
+    assert from_json.qkv_rows == 64 + 2 * 2 * 16
+    main(["--model", str(tmp_path / "mine.yaml"), "--cluster", "cpu_gloo", "--mesh", "gtp=2"])
+    for bad, message in [
+        ({**mine, "width": 3}, "unknown key 'width'"),
+        ({**mine, "layers": 2.5}, "layers must be int, got 2.5"),
+        ({**mine, "kv_heads": 3}, "heads=4 must split into 3 kv_heads"),
+        ({"vocab": 1000, "d": 64}, "lacks layers, heads, ffn"),
+        ([1, 2], "must be a mapping"),
+    ]:
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            main(["--model", str(tmp_path / "bad.json"), "--cluster", "cpu_gloo"])
+    with pytest.raises(SystemExit, match="model file .*gone.yaml does not exist"):
+        main(["--model", str(tmp_path / "gone.yaml"), "--cluster", "cpu_gloo"])
+    with pytest.raises(SystemExit, match="a gtp-train model config \\(gpt_125m, gpt_1p4b"):
+        main(["--model", "gpt_huge", "--cluster", "cpu_gloo"])

@@ -19,7 +19,7 @@ from . import scale
 from .baselines import METHODS, predict_method
 from .cluster import Cluster, ClusterError, available, load_cluster
 from .mesh import Mesh, MeshError
-from .model import MODELS, ModelConfig, ModelError, llama_like, model_by_name
+from .model import MODELS, ModelConfig, ModelError, llama_like, load_model, train_configs
 from .precision import GATHER_BYTES, REDUCE_BYTES, Precision, PrecisionError
 from .predict import Plan, PlanError, Prediction
 from .validate import check, table
@@ -30,7 +30,12 @@ COMMANDS = ("plan", "scale", "compare", "validate", "list")
 
 
 def _plan_args(ap: argparse.ArgumentParser, mesh_required: bool) -> None:
-    ap.add_argument("--model", required=True, help=f"one of {', '.join(MODELS)}")
+    ap.add_argument(
+        "--model",
+        required=True,
+        help=f"a built-in model ({', '.join(MODELS)}), a gtp-train model config "
+        "(gpt_small, moe_1b, ...) or a YAML or JSON path of its keys",
+    )
     ap.add_argument(
         "--cluster", required=True, help=f"a calibration ({', '.join(available())}) or a JSON path"
     )
@@ -92,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
 def make_plan(
     args: argparse.Namespace, model: ModelConfig | None = None, cluster: Cluster | None = None
 ) -> Plan:
-    model = model or model_by_name(args.model)
+    model = model or load_model(args.model)
     mesh_text = args.mesh or SUGGESTED_MESH.get(model.name, "gtp=8")
     return Plan(
         model=model,
@@ -108,12 +113,17 @@ def make_plan(
     )
 
 
+def _count(n: int) -> str:
+    """A parameter count as people write it: 70.6B, 125.0M."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def describe(pred: Prediction) -> str:
     plan = pred.plan
     cl = plan.cluster
     head = (
-        f"{pred.method} step of {plan.cfg.name} ({plan.cfg.n_params / 1e9:.1f}B parameters, "
-        f"{plan.cfg.active_params / 1e9:.1f}B active) on {cl.name}"
+        f"{pred.method} step of {plan.cfg.name} ({_count(plan.cfg.n_params)} parameters, "
+        f"{_count(plan.cfg.active_params)} active) on {cl.name}"
         f"{' (nominal figures)' if cl.nominal else ''}, mesh {plan.mesh.label() or 'world 1'} "
         f"({plan.mesh.world} {'GPUs' if cl.async_host else 'CPU ranks'}), "
         f"batch {plan.batch:g} x {plan.cfg.seq}, gathers "
@@ -327,8 +337,9 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 
 def cmd_list(_: argparse.Namespace) -> None:
-    for m in MODELS.values():
-        print(f"{m.name:10} {m.n_params / 1e9:7.1f}B  {m.note}")
+    shipped = [load_model(name) for name in train_configs() if name not in MODELS]
+    for m in [*MODELS.values(), *shipped]:
+        print(f"{m.name:10} {_count(m.n_params):>7}  {m.note}")
     print("clusters:", ", ".join(available()))
 
 

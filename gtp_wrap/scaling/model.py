@@ -9,7 +9,11 @@ and up, an untied or tied head; a mixture of experts as stacked `gate_up` [E, 2f
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import importlib.resources
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 
 WeightKind = Literal["embedding", "dense", "expert", "head"]
 
@@ -65,6 +69,13 @@ class ModelConfig:
         for field in ("vocab", "d", "layers", "heads", "ffn", "seq"):
             if getattr(self, field) < 1:
                 raise ModelError(f"model {self.name!r}: {field} must be >= 1")
+        for field in ("kv_heads", "experts", "moe_ffn"):
+            if getattr(self, field) < 0:
+                raise ModelError(f"model {self.name!r}: {field} must be >= 0")
+        if self.kv_heads and self.heads % self.kv_heads:
+            raise ModelError(
+                f"model {self.name!r}: heads={self.heads} must split into {self.kv_heads} kv_heads"
+            )
         if self.d % self.heads:
             raise ModelError(f"model {self.name!r}: d={self.d} must divide into {self.heads} heads")
         if self.experts and not 1 <= self.top_k <= self.experts:
@@ -202,6 +213,80 @@ def model_by_name(name: str) -> ModelConfig:
     if name not in MODELS:
         raise ModelError(f"unknown model {name!r}; built-in models: {', '.join(MODELS)}")
     return MODELS[name]
+
+
+# Keys of gtp-train's model configs that do not change what a step gathers or computes.
+_TRAINING_ONLY = frozenset({"rope_base", "aux_loss_coef"})
+_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("name", "note"))
+
+
+def train_configs() -> list[str]:
+    """The model configs gtp-train ships (configs/model/, as gtp_wrap.configs)."""
+    folder = importlib.resources.files("gtp_wrap.configs") / "model"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_model(name_or_path: str) -> ModelConfig:
+    """A model by name or file: a built-in (`MODELS`), a model config gtp-train ships
+    (`gpt_small`, `moe_1b`: configs/model/), or the path of a YAML or JSON file of the same
+    keys (gtp-train's `model` group: vocab, d, layers, heads, ffn, max_seq, tie_embeddings,
+    experts, top_k, moe_ffn, shared_expert; and kv_heads or seq)."""
+    if name_or_path in MODELS:
+        return MODELS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml", ".json"):
+        shipped = importlib.resources.files("gtp_wrap.configs") / "model" / f"{name_or_path}.yaml"
+        if not shipped.is_file():
+            raise ModelError(
+                f"unknown model {name_or_path!r}: give a built-in model ({', '.join(MODELS)}), "
+                f"a gtp-train model config ({', '.join(train_configs())}), or the path of a "
+                f"YAML or JSON file of its keys ({', '.join(_FIELDS)})"
+            )
+        note = f"gtp-train's model config {name_or_path}"
+        return model_from_dict(_read(Path(str(shipped))), name_or_path, note)
+    if not path.is_file():
+        raise ModelError(f"model file {path} does not exist")
+    return model_from_dict(_read(path), path.stem, f"from {path}")
+
+
+def _read(path: Path) -> Any:
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ModelError(f"model file {path} is not valid JSON ({e})") from e
+    try:
+        from omegaconf import OmegaConf
+    except ImportError as e:
+        raise ModelError(
+            f"reading {path} needs omegaconf (pip install omegaconf), or give the model as JSON"
+        ) from e
+    return OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+
+
+def model_from_dict(raw: Any, name: str, note: str = "") -> ModelConfig:
+    """A model from the keys of a gtp-train model config (`max_seq` is the plans' default
+    sequence length); keys that only training uses (rope_base, aux_loss_coef) are ignored."""
+    if not isinstance(raw, Mapping):
+        raise ModelError(
+            f"model {name!r} must be a mapping of model keys, got {type(raw).__name__}"
+        )
+    fields: dict[str, Any] = {}
+    for key, value in raw.items():
+        field = "seq" if key == "max_seq" else str(key)
+        if key in _TRAINING_ONLY:
+            continue
+        if field not in _FIELDS:
+            raise ModelError(f"model {name!r}: unknown key {key!r}; keys: {', '.join(_FIELDS)}")
+        kind = bool if field in ("tie_embeddings", "shared_expert") else int
+        if type(value) is not kind:
+            raise ModelError(f"model {name!r}: {key} must be {kind.__name__}, got {value!r}")
+        fields[field] = value
+    missing = [k for k in ("vocab", "d", "layers", "heads", "ffn") if k not in fields]
+    if missing:
+        raise ModelError(f"model {name!r} lacks {', '.join(missing)}")
+    return ModelConfig(name, **fields, note=note)
 
 
 def llama_like(d: int, seq: int = 4096) -> ModelConfig:
