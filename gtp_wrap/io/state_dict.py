@@ -8,6 +8,7 @@ torch.chunk's block along the shard dim, which is what the flat storage keeps.
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, cast
@@ -55,6 +56,26 @@ def to_dtensor(engine: GTPEngine, w: ShardedWeight | CastWeight, local: torch.Te
     )
 
 
+_REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
+
+
+def full_tensor(value: DTensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective of its mesh).
+
+    [Note: a quiet redistribution] A weight sharded over gtp inside tensor parallelism lies as
+    (_StridedShard, Shard) on the (gtp, tp) mesh, which DTensor makes whole by two all-gathers
+    one after the other, and logs on every rank that this is suboptimal and "may give
+    inconsistent results between ranks due to different reduction orders". An all-gather
+    reduces nothing: the two give the exact tensor, and a checkpoint of a TP model is written
+    rarely, so the warning is only noise in every rank's log, and is held back here."""
+    level = _REDISTRIBUTE_LOG.level
+    _REDISTRIBUTE_LOG.setLevel(logging.ERROR)
+    try:
+        return value.full_tensor()
+    finally:
+        _REDISTRIBUTE_LOG.setLevel(level)
+
+
 def gather_whole(engine: GTPEngine) -> Callable[[ShardedWeight], torch.Tensor]:
     """`gather(w)`: the whole logical tensor of a sharded weight, from every rank's part (a
     collective every rank calls in the same order; in one process, the weight itself)."""
@@ -63,7 +84,7 @@ def gather_whole(engine: GTPEngine) -> Callable[[ShardedWeight], torch.Tensor]:
         local = w.param.detach()
         if engine.mesh.device_mesh is None:
             return local.clone()
-        whole = to_dtensor(engine, w, local).full_tensor()
+        whole = full_tensor(to_dtensor(engine, w, local))
         # Over a group of one DTensor hands back the local tensor itself: the whole weight
         # must be a tensor of its own, which the caller may write.
         same = whole.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
@@ -189,7 +210,7 @@ def _local_value(engine: GTPEngine, w: _Managed, value: torch.Tensor) -> torch.T
         device_mesh, placements, _ = dtensor_layout(engine, w)
         if value.device_mesh == device_mesh and list(value.placements) == placements:
             return value.to_local()
-        value = value.full_tensor()
+        value = full_tensor(value)
     if isinstance(w, CastWeight):  # tensor-parallel, replicated over gtp
         assert w.tp is not None
         return w.tp.local_of(value) if value.shape == w.tp.shape else value
@@ -219,7 +240,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in module.state_dict().items():
         if isinstance(value, DTensor):
-            value = value.full_tensor()
+            value = full_tensor(value)
         with torch._C.DisableTorchFunctionSubclass():
             out[key] = value.detach().to("cpu", copy=True)
     return out
