@@ -4,6 +4,8 @@ nested no_sync restores what it found; optimizer steps run without interception.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from harness import caught, local_rows, run_ranks
@@ -69,6 +71,25 @@ def test_tensor_hook_on_a_sharded_parameter_is_refused() -> None:
     model[0].weight.requires_grad_(False)
     with pytest.raises(RuntimeError, match="doesn't require gradient"):  # as torch refuses
         model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+
+
+def test_autograd_grad_of_a_sharded_parameter_is_refused() -> None:
+    """With respect to a sharded weight, before anything runs (no `.grad` written); with
+    respect to a replicated one or the input, the same gradients as the unwrapped model's."""
+    torch.manual_seed(0)
+    ref = _model()
+    model = GTPWrap(copy.deepcopy(ref), {"min_shard_numel": 0})
+    x = torch.randn(2, 8, requires_grad=True)
+    loss = model(x).square().sum()
+    with pytest.raises(
+        WrapError, match="autograd.grad with respect to the sharded parameter '0.weight'"
+    ):
+        torch.autograd.grad(loss, [model[0].bias, model[0].weight])
+    assert model[0].weight.grad is None
+    got = torch.autograd.grad(loss, [model[0].bias, x])
+    want = torch.autograd.grad(ref(x).square().sum(), [ref[0].bias, x])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
 
 
 def _replicated_hook(rank: int, world: int) -> list[str]:

@@ -85,6 +85,8 @@ class GTPParameter(nn.Parameter):
                     _refuse_per_rank_clip(weight)
             elif func in _MODULE_COMPUTE:
                 _refuse_compute_on_shards(func, args, kwargs)
+            elif func is torch.autograd.grad:
+                _refuse_grad_of_shards(args[1])
             return _plain(func, types, args, kwargs or _NO_KWARGS)
         kwargs = kwargs or {}
         runtime = _runtime_of(args, kwargs)
@@ -179,6 +181,24 @@ def _refuse_compute_on_shards(func, args: tuple, kwargs: dict | None) -> None:
                 "module inside a block run by gtp_wrap.compile or gtp_wrap.gather_per_block: "
                 "the block); gtp_wrap.full_state_dict(model) gives the full weights outside a "
                 "pass"
+            )
+
+
+def _refuse_grad_of_shards(inputs: tuple) -> None:
+    """`torch.autograd.grad` with respect to a sharded parameter cannot return its gradient:
+    none flows into the parameter through autograd (each use's full-weight gradient goes to
+    the reduce-scatter, which writes this rank's rows into `.grad` when backward ends), so
+    torch would report the weight as unused after writing its `.grad` as a side effect."""
+    for p in inputs:
+        if type(p) is GTPParameter and type(p.gtp_weight) is ShardedWeight:
+            raise WrapError(
+                f"torch.autograd.grad with respect to the sharded parameter "
+                f"'{p.gtp_weight.fqn}': its gradient does not flow into it through autograd "
+                "(each use's full-weight gradient is reduce-scattered when backward ends and "
+                "this rank's rows land in .grad), so autograd.grad cannot return it. Call "
+                "backward() and read .grad, or take autograd.grad with respect to the inputs "
+                "only; a weight whose gradient you need this way can stay whole (a LayerRule "
+                "with action='replicate')"
             )
 
 
