@@ -98,6 +98,33 @@ class GTPMesh:
         return [by_name[name] for name in self.device_mesh.mesh_dim_names or ()]
 
 
+def apart_from_backward(mesh: GTPMesh) -> MeshAxis:
+    """`mesh.data` on a process group of its own, for the replicated parameters' all-reduces
+    (one new group per data group, made by every rank in the same order).
+
+    [Note: replicated all-reduces on a group of their own] A bucket of replicated gradients is
+    all-reduced as soon as its gradients are in, in the middle of backward, where the sharded
+    weights' reduce-scatters run too. Which moment that is depends on this rank's graph: a
+    parameter that one rank's data leaves unused (a branch, an expert's bias) has no gradient
+    there, so that rank launches the bucket only when backward ends. On one process group, the
+    ranks would then issue the all-reduce and the reduce-scatters in different orders: gloo
+    aborts with a size mismatch, NCCL hangs or mixes the data. On a group of their own the
+    all-reduces may run at different moments on different ranks and still meet, as long as
+    each rank launches its buckets in one fixed order (runtime/replicated.py); the other
+    collectives never wait for them. The 1-D mesh over the world even shares the default group
+    with `data`, so a group is made whatever the mesh."""
+    assert mesh.device_mesh is not None  # only a distributed engine all-reduces
+    grid = mesh.device_mesh.mesh
+    if mesh.tp.size > 1:  # the dp x gtp ranks of each tp coordinate (tp is innermost)
+        groups = [grid[..., t].flatten().tolist() for t in range(grid.shape[-1])]
+    else:
+        groups = [grid.flatten().tolist()]
+    group, _ = dist.new_subgroups_by_enumeration(groups, group_desc="gtp_replicated_grads")
+    rank = dist.get_rank()
+    (mine,) = [g for g in groups if rank in g]
+    return MeshAxis(mesh.data.name, group, mine.index(rank), len(mine))
+
+
 def make_mesh(
     dp: int = 1,
     gtp: int = -1,

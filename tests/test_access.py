@@ -3,6 +3,9 @@ own, metadata in the compute dtype, a backward that raises, ranks built with dif
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,6 +16,7 @@ import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.api import engine_of
 from gtp_wrap.core.parameter import OpenPasses
+from gtp_wrap.runtime import replicated
 
 
 class TransposeHead(nn.Module):
@@ -228,6 +232,62 @@ def _unfreeze_one_of_many(rank: int, world: int) -> float:
 
 def test_unfreezing_one_of_several_frozen_replicated_parameters() -> None:
     assert max(run_ranks(_unfreeze_one_of_many, 2)) < 1e-5
+
+
+class Branch(nn.Module):
+    """A replicated scale and shift that each step's data may leave unused on some ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16, bias=False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.shift = nn.Parameter(torch.linspace(-0.1, 0.1, 16))
+        self.b = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor, scale: bool, shift: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = h * self.scale if scale else h
+        return self.b(h + self.shift if shift else h)
+
+
+def _replicated_used_by_some_ranks(rank: int, world: int, bucket_bytes: int) -> float:
+    """SGD steps in which each replicated parameter is used on rank 0 only, on rank 1 only, on
+    both or on neither; the reference averages each rank's own plain gradients (a gradient no
+    rank had stays None), as DDP does. `bucket_bytes`: small, a bucket per parameter, which
+    the two ranks fill in opposite orders."""
+    replicated._BUCKET_BYTES = bucket_bytes
+    torch.manual_seed(0)
+    ref = Branch()
+    model = GTPWrap(copy.deepcopy(ref), {"min_shard_numel": 0})
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    steps = [((True, False), (False, True)), ((False, True), (True, False)),
+             ((True, True), (True, False)), ((False, False), (False, False))]  # fmt: skip
+    for step, uses in enumerate(steps):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x, *uses[rank]).square().sum().backward()
+        ref(x, *uses[rank]).square().sum().backward()
+        for p in ref.parameters():
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            had = torch.tensor(float(p.grad is not None))
+            dist.all_reduce(grad)
+            dist.all_reduce(had)
+            p.grad = grad / world if had.item() else None
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    got = gtp_wrap.full_state_dict(model)
+    return max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("bucket_bytes", [replicated._BUCKET_BYTES, 4])
+def test_replicated_parameters_some_ranks_leave_unused(bucket_bytes: int) -> None:
+    """A rank with no gradient for a replicated parameter launches its bucket's all-reduce
+    when backward ends, its peers as soon as their gradients are in: on a group of their own
+    (see [Note: replicated all-reduces on a group of their own], mesh.py) and in one order of
+    buckets on every rank, the all-reduces still meet. On the reduce-scatters' group gloo
+    aborted with a size mismatch; buckets launched as they filled met the wrong partners."""
+    assert max(run_ranks(_replicated_used_by_some_ranks, 2, bucket_bytes)) < 1e-6
 
 
 def _penalty_outside_forward(rank: int, world: int) -> list[str]:

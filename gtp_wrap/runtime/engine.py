@@ -36,7 +36,7 @@ from ..core.build import build, check_ranks_agree, install_process_hooks
 from ..core.parameter import resume_in_backward
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError, WrapError
-from ..mesh import GTPMesh
+from ..mesh import GTPMesh, apart_from_backward
 from ..parallel.experts import EPLayout, ExpertDispatch
 from ..parallel.tensor import TPLayout
 from ..precision.encoding import Precision
@@ -166,8 +166,12 @@ class GTPEngine:
         self.reducer = GradReducer(shared, policy.group_numel, self.reduce_dtype)
         self.casts = Casts(built.storage, built.packing, built.cast_weights,
                            [w.param for w in self.weights], self.stats)  # fmt: skip
+        apart = built.replicated and mesh.data.size > 1  # see apart_from_backward
         self.replicated = ReplicatedGrads(
-            built.replicated, built.replicated_names, self.comm, mesh.data
+            built.replicated,
+            built.replicated_names,
+            self.comm,
+            apart_from_backward(mesh) if apart else mesh.data,
         )
         if mesh.world_size > 1:
             self.replicated.register(self.ensure_backward)

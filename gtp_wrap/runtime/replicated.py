@@ -1,9 +1,13 @@
 """Gradients of replicated parameters: all-reduced over every data rank in coalesced buckets.
 
-A bucket launches its all-reduce as soon as all its parameters have accumulated their grad in
-this backward, so it overlaps the rest of backward; buckets still waiting when backward ends
-launch then. Each bucket carries one extra element per parameter counting the ranks that had a
-grad, so a parameter no rank used keeps `.grad = None` exactly like in unsharded training.
+Buckets launch their all-reduces in one fixed order, each as soon as its parameters and every
+bucket before it have accumulated their grads in this backward, so they overlap the rest of
+backward; buckets still waiting when backward ends launch then, in the same order. They run on
+a process group of their own (see [Note: replicated all-reduces on a group of their own],
+mesh.py), so a rank that launches one later than its peers (a parameter its data left unused)
+does not reorder the other collectives. Each bucket carries one extra element per parameter
+counting the ranks that had a grad, so a parameter no rank used keeps `.grad = None` exactly
+like in unsharded training.
 """
 
 from __future__ import annotations
@@ -65,7 +69,9 @@ class ReplicatedGrads:
         for p in reversed(params):
             if p.is_floating_point() or p.is_complex():
                 groups.setdefault((p.dtype, p.device, p.requires_grad), []).append(p)
-        for group in groups.values():
+        # Trainable groups first: the buckets launch in order, and a frozen one waits for the
+        # end of backward.
+        for _, group in sorted(groups.items(), key=lambda item: not item[0][2]):
             current: list[nn.Parameter] = []
             nbytes = 0
             for p in group:
@@ -77,6 +83,7 @@ class ReplicatedGrads:
             if current:
                 self.buckets.append(_Bucket(current))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0  # the first bucket this backward has not launched
 
     def register(self, ensure_backward: Callable[[], None]) -> None:
         """Launch each bucket's all-reduce once all its grads are in; parameters frozen now
@@ -90,8 +97,8 @@ class ReplicatedGrads:
                 self._warn_user_hook(p)
             bucket = self._bucket_of[id(p)]
             bucket.ready.add(id(p))
-            if len(bucket.ready) == len(bucket.params) and bucket.pending is None:
-                self._launch(bucket)
+            if len(bucket.ready) == len(bucket.params):
+                self._launch_in_order()
 
         self._on_grad = on_grad
         self._unhooked = [p for b in self.buckets for p in b.params]
@@ -118,6 +125,19 @@ class ReplicatedGrads:
             "'shard'): a sharded parameter's hooks run once its reduced gradient has landed",
             stacklevel=2,
         )
+
+    def _launch_in_order(self) -> None:
+        """Launch the buckets whose grads are all in, from the first not launched yet, up to
+        the first still waiting; buckets of frozen parameters are passed (every rank froze the
+        same ones)."""
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            frozen = not any(p.requires_grad for p in bucket.params)
+            if not frozen:
+                if len(bucket.ready) < len(bucket.params):
+                    return
+                self._launch(bucket)
+            self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.flat.numel() == 0:
@@ -154,10 +174,12 @@ class ReplicatedGrads:
         return [b.pending for b in self.buckets if b.pending is not None]
 
     def finish(self) -> None:
-        """Launch the buckets still waiting, then land every reduced grad in `.grad`."""
-        for bucket in self.buckets:
-            if bucket.pending is None and any(p.requires_grad for p in bucket.params):
+        """Launch the buckets still waiting, in order, then land every reduced grad in
+        `.grad`."""
+        for bucket in self.buckets[self._next :]:
+            if any(p.requires_grad for p in bucket.params):
                 self._launch(bucket)
+        self._next = 0
         for bucket in self.buckets:
             if bucket.pending is None:  # every parameter frozen: nothing to reduce
                 continue
@@ -185,3 +207,4 @@ class ReplicatedGrads:
                 bucket.allocate()
             bucket.pending = None
             bucket.ready.clear()
+        self._next = 0
