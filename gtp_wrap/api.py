@@ -43,7 +43,8 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
         policy: a GTPPolicy, a mapping or OmegaConf config of its fields, a list of LayerRules
             (the rules of a default policy), a YAML file path, or None for the default (shard
             Linear, Embedding and MultiheadAttention weights of >= min_shard_numel elements).
-        mesh: a 1-D DeviceMesh or ProcessGroup (the GTP group), or a DeviceMesh with dims
+        mesh: a 1-D DeviceMesh or ProcessGroup over the whole world (one GTP group; for
+            GTP groups inside a larger world, a ("dp", "gtp") mesh), or a DeviceMesh with dims
             named from ("dp", "gtp", "tp"), in that order, "gtp" among them
             (`gtp_wrap.make_mesh` builds one). Default: the whole world is one GTP group.
             Weights that torch's tensor parallelism made DTensors (parallelize_module on
@@ -115,11 +116,18 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             )
         raise
     if on_meta:
-        if init_fn is None:  # the replay draws from them
-            check_same_generators(engine.agreement, device)
-        materialize_meta(
-            module, engine.weights, gather_whole(engine), local_offset(engine), init_fn
-        )
+        try:
+            if init_fn is None:  # the replay draws from them
+                check_same_generators(engine.agreement, device)
+            materialize_meta(
+                module, engine.weights, gather_whole(engine), local_offset(engine), init_fn
+            )
+        except BaseException as error:
+            error.add_note(
+                "The model's parameters were already replaced by sharded ones: build the "
+                "model again (on the meta device) before wrapping it again."
+            )
+            raise
         cast_norm_statistics(module, resolved, engine.precision)
     install_state_dict_hooks(module, engine)
     attach(module, engine)

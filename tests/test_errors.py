@@ -151,6 +151,8 @@ def _bad_inputs(rank: int, world: int) -> dict:
     out["models_differ"] = caught(lambda: GTPWrap(nn.Linear(4, width), {"min_shard_numel": 0}))
     policy = {"min_shard_numel": 0, "group_numel": 0 if rank == 0 else 1 << 20}
     out["policies_differ"] = caught(lambda: GTPWrap(nn.Linear(4, 8), policy))
+    policy = {"min_shard_numel": 0, "check_finite": rank == 0}  # an all-reduce at each step
+    out["finite_checks_differ"] = caught(lambda: GTPWrap(nn.Linear(4, 8), policy))
     clipped = GTPWrap(_mlp(), {"min_shard_numel": 0})
     clipped(torch.randn(2, 8)).sum().backward()
     out["torch_clip"] = caught(lambda: torch.nn.utils.clip_grad_norm_(clipped.parameters(), 1.0))
@@ -170,6 +172,7 @@ def test_bad_inputs_across_ranks() -> None:
         assert out["models_differ"].startswith("WrapError: ranks disagree on parameter #0")
         assert out["policies_differ"].startswith("WrapError: ranks wrapped with different pol")
         assert "GTPPolicy.group_numel=" in out["policies_differ"]
+        assert "GTPPolicy.check_finite=" in out["finite_checks_differ"]
         # torch's clip would take each rank's norm of its own shards: refused, naming ours.
         assert out["torch_clip"].startswith(
             "WrapError: torch.nn.utils.clip_grad_norm_ read the gradient of '0.weight'"

@@ -90,6 +90,8 @@ def _bad(rank: int, world: int, root: str) -> dict:
         "shape": caught(lambda: load(wrapped(wider), file)),
         "nothing": caught(lambda: load(wrapped(), Path(root) / "none")),
         "garbage": caught(lambda: load(wrapped(), Path(root) / "junk.safetensors")),
+        # A file missing on one node only: rank 1 reads a path rank 0 has, rank 0 the file.
+        "one_rank": caught(lambda: load(wrapped(), file if rank == 0 else Path(root) / "no")),
     }  # fmt: skip
 
 
@@ -98,12 +100,15 @@ def test_bad_files_are_refused_naming_the_keys() -> None:
         tensors = {k: v.clone() for k, v in GPT(CFG).state_dict().items() if k != "head.weight"}
         save_file(tensors, str(Path(root) / "gpt.safetensors"))
         (Path(root) / "junk.safetensors").write_bytes(b"not a safetensors file")
-        r = run_ranks(_bad, 2, root)[0]
+        r, r1 = run_ranks(_bad, 2, root)
     assert r["missing"].startswith("CheckpointError") and "missing ['norm.weight']" in r["missing"]
     assert "unexpected ['x.norm.weight']" in r["unexpected"]
     assert "'embed.weight' in gpt.safetensors has shape (66, 32)" in r["shape"]
     assert r["nothing"].startswith("CheckpointError") and "does not exist" in r["nothing"]
     assert r["garbage"].startswith("CheckpointError") and "not a readable" in r["garbage"]
+    # Both ranks stop at once: the one that loaded names the one that could not.
+    assert "failed on rank(s) [1]" in r["one_rank"], r["one_rank"]
+    assert "does not exist" in r1["one_rank"], r1["one_rank"]
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -178,8 +178,14 @@ def _refusals(rank: int, world: int) -> dict:
         with_tp = GPT(CFG)
     mesh, _ = gtp_wrap.make_mesh(gtp=1, tp=2)
     tp = {"rules": [{"match": "blocks.*.attn.qkv", "tp": "colwise"}, {"match": "Linear"}]}
+    seeds, notes = "no error", []
+    try:
+        seeded_differently()
+    except gtp_wrap.WrapError as error:
+        seeds, notes = str(error), getattr(error, "__notes__", [])
     return {
-        "seeds": caught(seeded_differently),
+        "seeds": seeds,
+        "seeds_notes": notes,
         "partly": caught(lambda: GTPWrap(partly, device="cpu")),
         "tp": caught(lambda: GTPWrap(with_tp, tp, mesh=mesh, device="cpu")),
         "not_meta": caught(lambda: GTPWrap(GPT(CFG), device="cpu")),
@@ -189,6 +195,7 @@ def _refusals(rank: int, world: int) -> dict:
 def test_what_a_meta_wrap_cannot_do_is_refused() -> None:
     r = cached_ranks(_refusals, 2)[0]
     assert "random generators in different states" in r["seeds"]
+    assert "build the model again (on the meta device)" in " ".join(r["seeds_notes"])
     assert "partly on the meta device" in r["partly"]
     assert "tensor parallelism is not supported yet" in r["tp"]
     assert "for a model built on the meta device" in r["not_meta"]

@@ -145,7 +145,7 @@ class Comm:
         not cover an output used later on another stream. On NCCL they share the group's one Work.
         (A GTP group of one gathers nothing: the engine reads its local copy instead.)
         """
-        if self.gather_copies is not None:  # casts on its own stream
+        if self.gather_copies is not None and axis is self.mesh.gtp:  # casts on its own stream
             copies = self.gather_copies.all_gather(outs, shards)
             return [Pending((copies,), what, context) for _ in outs]
         # A group's shards are cast into their outputs by one multi-tensor copy: on a GPU one
@@ -191,7 +191,7 @@ class Comm:
             for out, full in zip(outs, fulls):
                 out.copy_(full)
             return Pending((), what)
-        if self.reduce_copies is not None:
+        if self.reduce_copies is not None and axis is self.mesh.gtp:
             average = self.grad_op == dist.ReduceOp.AVG
             return Pending((self.reduce_copies.reduce_scatter(outs, fulls, average),), what)
         group, opts = axis.group, self._rs_opts

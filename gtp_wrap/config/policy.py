@@ -205,7 +205,10 @@ class GTPPolicy:
             in place at wrap time (the statistics then accumulate and are saved in it).
             LayerNorm, GroupNorm and RMSNorm follow param_dtype either way.
         strict: a rule that matches no parameter raises PolicyError instead of a PolicyWarning
-            (as `LayerRule(strict=True)` does for one rule).
+            (as `LayerRule(strict=True)` does for one rule). Rules equal to the built-in
+            defaults (Linear, Embedding, MultiheadAttention: configs/policy/default.yaml lists
+            them) are exempt, so the shipped policies stay usable on models that lack one of
+            those classes.
         gather_per_block: modules (class names, module FQNs or globs over them) that run on
             their weights gathered once per call, as `gtp_wrap.gather_per_block` makes them:
             for code whose set of weights used depends on the data (a mixture of experts that
@@ -260,14 +263,21 @@ class GTPPolicy:
         ):
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise PolicyError(f"GTPPolicy.{name} must be {kind}, got {value!r}")
+                what = "a number" if isinstance(kind, tuple) else f"a {kind.__name__}"
+                quoted = (
+                    " (a quoted YAML value is a string: drop the quotes)"
+                    if isinstance(value, str)
+                    else ""
+                )
+                raise PolicyError(f"GTPPolicy.{name} must be {what}, got {value!r}{quoted}")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
                 raise PolicyError(f"{name}={value!r} is not a dtype; use one of {sorted(_DTYPES)}")
         if self.gather_dtype not in (None, "fp8", "float8_e4m3fn", "nvfp4"):
             raise PolicyError(
-                f"gather_dtype={self.gather_dtype!r} is not supported; use 'fp8', 'nvfp4' or null"
+                f"gather_dtype={self.gather_dtype!r} is not supported; use 'fp8' (or its torch "
+                "name 'float8_e4m3fn'), 'nvfp4' or null"
             )
         if self.collectives not in _COLLECTIVES:
             raise PolicyError(

@@ -40,7 +40,7 @@ from .weight import CastWeight, Runtime, ShardedWeight
 AGREED_FIELDS = (
     "prefetch_depth", "group_numel", "loss_reduction", "param_dtype", "reduce_dtype",
     "gather_dtype", "fp8_matmul", "collectives", "norm_in_fp32", "gather_per_block",
-    "expert_parallel",
+    "expert_parallel", "check_finite",
 )  # fmt: skip
 
 # The parameters wrapping replaced (by id): an optimizer built before GTPWrap holds these, gets

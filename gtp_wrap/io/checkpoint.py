@@ -420,13 +420,13 @@ def load(
     try:
         extra = _load(Path(path), model, optimizer)
     except Exception:  # any error, so that every rank reaches the agreement once per load
-        _agree_loaded(engine, path, loaded=False)
+        agree_loaded(engine, path, loaded=False)
         raise
-    _agree_loaded(engine, path, loaded=True)
+    agree_loaded(engine, path, loaded=True)
     return extra
 
 
-def _agree_loaded(engine: GTPEngine | None, path: str | os.PathLike, loaded: bool) -> None:
+def agree_loaded(engine: GTPEngine | None, path: str | os.PathLike, loaded: bool) -> None:
     """[Note: a load fails on every rank] Each rank reads only the files that hold its parts,
     so a damaged file fails the ranks that read it, and the others would train on from a state
     that no longer matches theirs. The ranks exchange their outcome (through the store, like
@@ -442,13 +442,13 @@ def _agree_loaded(engine: GTPEngine | None, path: str | os.PathLike, loaded: boo
             return  # this rank's own error says more
         raise CheckpointError(
             f"loading {path}: not every rank reached the end of the load ({error}); on a "
-            "wrapped model every rank calls checkpoint.load"
+            "wrapped model every rank calls the load"
         ) from error
     failed = [rank for rank, (ok,) in enumerate(outcome) if not ok]
     if failed and loaded:
         raise CheckpointError(
             f"loading {path} failed on rank(s) {failed} (their CheckpointError names the file); "
-            "this rank's part loaded, but the ranks' states now differ: load an older "
+            "this rank's part loaded, but the ranks' states now differ: load a readable "
             "checkpoint on every rank"
         )
 

@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import CheckpointError
-from ..runtime.engine import engine_of
-from .checkpoint import is_checkpoint
+from ..runtime.engine import engine_of, is_wrapped
+from .checkpoint import agree_loaded, is_checkpoint
 from .state_dict import full_state_dict
 
 # Arguments filled in here: the state dict gathered from the shards, and rank 0 as the writer.
@@ -92,8 +92,23 @@ def load_pretrained(
     works on a model built on the meta device and wrapped. An unwrapped model loads whole.
     Keys of the model missing from the file (a tied weight counts as present when its twin
     is), keys of the file the model does not have, and shape mismatches raise CheckpointError
-    naming them, before anything is written.
+    naming them, before anything is written; for a wrapped model on every rank, also where
+    only some ranks failed (a file missing on one node: see [Note: a load fails on every
+    rank], io/checkpoint.py).
     """
+    engine = engine_of(model) if is_wrapped(model) else None
+    try:
+        _load_pretrained(model, path, rename)
+    except Exception:  # any error, so that every rank reaches the agreement once per load
+        agree_loaded(engine, path, loaded=False)
+        raise
+    agree_loaded(engine, path, loaded=True)
+
+
+def _load_pretrained(
+    model: nn.Module, path: str | os.PathLike, rename: Callable[[str], str | None] | None
+) -> None:
+    """`load_pretrained`, on this rank alone."""
     targets = model.state_dict(keep_vars=True)
     with torch._C.DisableTorchFunctionSubclass():
         held = {_where(t) for t in [*model.parameters(), *model.buffers()]}

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.optim.adamw import adamw
 
 from ..core.weight import CastWeight, ShardedWeight
-from ..errors import GraphCaptureError
+from ..errors import GraphCaptureError, WrapError
 from ..io.state_dict import dtensor_shape, local_box
 from ..runtime.engine import GTPEngine
 from .newton_schulz import adjusted_lr, cost, orthogonalize
@@ -278,7 +278,7 @@ class Muon(torch.optim.Optimizer):
         if any(len(v) != len(values) for v in per_rank) or any(
             _decoded_shapes(v, len(matrices)) != shapes for v in per_rank
         ):
-            raise RuntimeError(
+            raise WrapError(
                 "ranks built Muon over different matrices: give every rank the same param groups"
             )
         boxes_by_rank = []

@@ -109,7 +109,8 @@ class OwnerPlan:
                 found = sorted(first, key=lambda b: b.offset)
                 raise RuntimeError(
                     f"Muon matrix #{i} of shape {tuple(shape)}: the ranks' boxes {found} do "
-                    "not tile it, so no owner could assemble it"
+                    "not tile it, so no owner could assemble it (the engine's shards should "
+                    "always tile a weight: a gtp_wrap bug, please report it)"
                 )
             senders = tuple(sorted(((r, box) for box, r in first.items()), key=lambda s: s[0]))
             self.routes.append(Route(self.owners[i], senders, boxes))

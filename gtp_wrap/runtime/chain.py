@@ -90,8 +90,8 @@ class Chain:
         cost model (`gtp-plan --method gtp_blocks`) put the cut by size at 83.1 ms per graphed
         1.36B step on 8 H200s with prefetch_depth 1 (63.8 per use), and this cut at 62.9;
         eager at batch 1 on 2, 99.1 against 95.2 ms; the seed's 280B MoE at GTP16, EP8, EGTP2
-        (graphed), 3087 ms with one group ahead against 2672 with the next block's. Not
-        measured: no two GPUs were lent."""
+        (graphed), 3087 ms with one group ahead against 2672 with the next block's. These are
+        predictions: no run on two or more GPUs has measured this cut yet."""
         group_of: list[int] = []
         group_stop: list[int] = []
         size = 0

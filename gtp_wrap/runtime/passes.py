@@ -81,7 +81,8 @@ class Passes:
         """Keep the chain a finished pass used, if it changed, once every rank used the same.
 
         A pass that failed records nothing (the engine does not call this): its uses stopped
-        part-way, and its peers learn of the failure by timing out at their own check.
+        part-way; its peers learn of the failure from the failure notice the engine posts
+        (PeerFailedError at their own check), or at worst by timing out there.
         """
         if state.followed_chain() or not self._records:
             return

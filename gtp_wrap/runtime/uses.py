@@ -132,7 +132,6 @@ class Uses:
         self.passes = passes
         self.gatherer = gatherer
         self.stats = stats
-        self.precision = precision
         self.own_linear = precision.own_linear
         # What an input must be for the engine's linear, per 2-D sharded weight without tensor
         # parallelism (the weights it may take, fixed at wrap), by the weight's id: (the

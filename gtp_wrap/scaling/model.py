@@ -139,14 +139,6 @@ class ModelConfig:
         )
         return self.n_params - idle
 
-    def gemm_flops_per_token(self, w: Weight) -> float:
-        """Forward FLOPs per token of `w`'s GEMMs (a lookup does none; a token runs top_k
-        experts of a stack)."""
-        if w.kind == "embedding":
-            return 0.0
-        per_matrix = 2.0 * w.rows * w.cols
-        return per_matrix * (self.top_k if w.kind == "expert" else 1)
-
     def attention_flops_per_token(self) -> float:
         """Forward FLOPs per token of one layer's attention scores and values at `seq`, as
         bench_step counts them (the full square; causal kernels skip half, which the

@@ -67,8 +67,3 @@ class Precision:
         """HBM bytes per shard element that a gather's cast (or a step's encode) moves: read
         the fp32 master, write the gathered dtype. fp32 gathers cast nothing."""
         return 0.0 if self.gather == "fp32" else self.master + self.gather_bytes
-
-    @property
-    def state_bytes(self) -> float:
-        """Bytes per shard element held between steps."""
-        return self.master + self.grad + self.optimizer
