@@ -77,8 +77,8 @@ CHECKPOINT_FILES = ("meta.json", "rank0.json", "rank1.json", "rank0.safetensors"
 # on_nonfinite=skip: the step is skipped with a warning naming the weight.
 _KILLED = r"(?P<name>ProcessExitedException): process (?P<rank>\d+) terminated with signal SIGKILL"
 _SURVIVOR = (
-    r"(?P<name>CollectiveTimeoutError|PeerFailedError|CheckpointError): .*(closed its "
-    r"connection|rank \d+ failed|not every rank reached)"
+    r"(?P<name>PeerLostError|CollectiveTimeoutError|PeerFailedError|CheckpointError): "
+    r".*(closed its connection|rank \d+ failed|not every rank reached)"
 )
 _DETECTORS: dict[str, list[str]] = {
     "kill_step": [_KILLED, _SURVIVOR],
@@ -89,9 +89,10 @@ _DETECTORS: dict[str, list[str]] = {
     "nan": [r"step (?P<step>\d+) (?P<name>skipped): the gradient of '"],
 }
 EXPECTED: dict[str, list[str]] = {
-    "kill_step": ["ProcessExitedException", "CollectiveTimeoutError", "PeerFailedError"],
-    "kill_save": ["ProcessExitedException", "CollectiveTimeoutError", "PeerFailedError",
-                  "CheckpointError"],
+    "kill_step": ["ProcessExitedException", "PeerLostError", "CollectiveTimeoutError",
+                  "PeerFailedError"],
+    "kill_save": ["ProcessExitedException", "PeerLostError", "CollectiveTimeoutError",
+                  "PeerFailedError", "CheckpointError"],
     "enospc": ["CheckpointError"],
     "corrupt": ["CheckpointError"],
     "nan": ["skipped"],

@@ -33,6 +33,11 @@ class PeerFailedError(CollectiveError):
     the message names the rank and its exception."""
 
 
+class PeerLostError(CollectiveError):
+    """A peer rank's connection closed while this rank waited for it: the peer exited or
+    crashed without posting why (its own log says); the message carries the transport's cause."""
+
+
 class CollectiveTimeoutError(GTPError, RuntimeError):
     """A collective did not complete in time: a peer rank is missing, crashed or diverged."""
 

@@ -21,6 +21,7 @@ from gtp_wrap import (
     GTPWrap,
     LayerRule,
     PeerFailedError,
+    PeerLostError,
     PolicyError,
     WrapError,
 )
@@ -235,12 +236,14 @@ def test_a_failed_collective_is_not_reported_as_a_timeout() -> None:
     [
         ("Operation timed out!", CollectiveTimeoutError),
         ("Application timeout caused pair closure", CollectiveTimeoutError),
-        ("Connection closed by peer [127.0.0.1]:1234", CollectiveTimeoutError),
-        ("Write error [127.0.0.1]:1234: Broken pipe", CollectiveTimeoutError),
+        ("Connection closed by peer [127.0.0.1]:1234", PeerLostError),
+        ("Write error [127.0.0.1]:1234: Broken pipe", PeerLostError),
         ("Inplace update to inference tensor outside InferenceMode", CollectiveError),
     ],
 )
-def test_peer_trouble_reads_as_a_timeout_and_local_failures_do_not(message, error) -> None:
+def test_peer_trouble_names_a_timeout_or_a_lost_peer_and_local_failures_neither(
+    message, error
+) -> None:
     what = Pending((), "all-gather of 'w' ({context}step {step})", "forward pass, ", step=3)
     got = wait_failure(RuntimeError(message), what.describe())
     assert type(got) is error

@@ -32,6 +32,7 @@ import gtp_wrap
 from gtp_wrap import GTPWrap
 from gtp_wrap.api import engine_of
 from gtp_wrap.app.launch import run_rank
+from gtp_wrap.app.report import mesh_layout
 from gtp_wrap.mesh import DP_GTP
 
 REPO = Path(__file__).resolve().parents[1]
@@ -248,6 +249,43 @@ def test_gtp_train_on_two_nodes_matches_one_node(tmp_path: Path) -> None:
     got, ref = _losses(two), _losses(one)
     assert len(got) == 4
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    # Rank 0 logs the layout it trained on: the gtp groups, one per agent.
+    logs = (tmp_path / "agent0.log").read_text() + (tmp_path / "agent1.log").read_text()
+    assert "gtp groups (one host each): [0, 1] [2, 3]" in logs, logs[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "gtp", "dp"),
+    [([[0, 1], [2, 3]], "one host each", "across hosts"),
+     ([[0, 2], [1, 3]], "across hosts", "one host each")],
+)  # fmt: skip
+def test_the_mesh_layout_names_each_axis_groups_and_hosts(
+    ranks: list[list[int]], gtp: str, dp: str
+) -> None:
+    """gtp-train's start-up report of a ("dp", "gtp") mesh on two hosts of two ranks each."""
+    mesh = DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=DP_GTP,
+                      _init_backend=False, _rank=0)  # fmt: skip
+    text = mesh_layout(mesh, ["node-a", "node-a", "node-b", "node-b"])
+    columns = [list(c) for c in zip(*ranks)]
+    assert f"gtp groups ({gtp}): {ranks[0]} {ranks[1]}" in text, text
+    assert f"dp groups ({dp}): {columns[0]} {columns[1]}" in text, text
+    assert "ranks by host: node-a: [0, 1], node-b: [2, 3]" in text, text
+
+
+@pytest.mark.timeout(120)
+def test_a_mesh_that_does_not_fill_torchruns_world_stops_every_rank_at_once(
+    tmp_path: Path,
+) -> None:
+    """Under torchrun the mesh is checked against the ranks torchrun started, on every rank
+    before any collective: a node given another nproc_per_node (so another mesh) hung waiting
+    for its peers; each rank now prints one line and exits."""
+    cmd = _torchrun(1, PER_NODE, _free_port(), "-m", "gtp_wrap.app.train", "mesh=[2,2]", *TRAIN,
+                    f"out_dir={tmp_path / 'run'}")  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode != 0
+    line = f"mesh=[2, 2] does not multiply to the {PER_NODE} ranks torchrun started"
+    assert done.stderr.count(line) == PER_NODE, done.stderr[-3000:]
 
 
 if __name__ == "__main__":  # a rank started by torchrun (the `layouts` fixture)

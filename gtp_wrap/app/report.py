@@ -1,4 +1,5 @@
-"""What a user sees at the end of a run: the memory table, GTP's counters, a plot, a JSON."""
+"""What a user sees of a run: the mesh layout at its start; at its end the memory table, GTP's
+counters, a plot, a JSON."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from gtp_wrap.runtime.chain import PassKind
 
@@ -98,3 +100,25 @@ def plot_losses(history: dict, path: Path) -> None:
 
 def write_metrics(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=2))
+
+
+def mesh_layout(mesh: DeviceMesh, hosts: list[str], shown: int = 8) -> str:
+    """Which ranks form each group of each mesh dim, and the host each rank runs on: what
+    tells whether gtp stays inside a node (the README's multi-node layout advice)."""
+    grid = mesh.mesh
+    lines = []
+    for i, name in enumerate(mesh.mesh_dim_names or ()):
+        groups = grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist()
+        text = " ".join(str(g) for g in groups[:shown])
+        more = f" ... ({len(groups)} groups)" if len(groups) > shown else ""
+        on = (
+            "one host each"
+            if all(len({hosts[r] for r in g}) == 1 for g in groups)
+            else ("across hosts")
+        )
+        lines.append(f"  {name} groups ({on}): {text}{more}")
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    placed = ", ".join(f"{host}: {ranks}" for host, ranks in list(by_host.items())[:shown])
+    return "\n".join(["mesh layout:", *lines, f"  ranks by host: {placed}"])

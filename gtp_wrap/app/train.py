@@ -16,6 +16,7 @@ import logging
 import logging.config
 import math
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -170,13 +171,17 @@ def _validate(cfg: dict, run_dir: str) -> None:
             f"expert_mesh={experts} with mesh={cfg['mesh']}: experts beside tensor parallelism "
             "are not supported yet; leave tp out of the mesh"
         )
-    if not under_torchrun():
+    if under_torchrun():  # checked on every rank before any collective: none waits for another
+        world = int(os.environ["WORLD_SIZE"])
+        started = f"the {world} ranks torchrun started (nnodes x nproc_per_node)"
+    else:
         check_local_devices(cfg["nproc"], cpu=cfg["device"] == "cpu")
         world = cfg["nproc"]
-        if cfg["mesh"] is not None and math.prod(cfg["mesh"]) != world:
-            raise LaunchError(f"mesh={cfg['mesh']} does not multiply to nproc={world}")
-        if experts is not None and world % math.prod(experts):
-            raise LaunchError(f"expert_mesh={experts}: ep x egtp must divide nproc={world}")
+        started = f"nproc={world}"
+    if cfg["mesh"] is not None and math.prod(cfg["mesh"]) != world:
+        raise LaunchError(f"mesh={cfg['mesh']} does not multiply to {started}")
+    if experts is not None and world % math.prod(experts):
+        raise LaunchError(f"expert_mesh={experts}: ep x egtp must divide {started}")
     if not cfg["resume"] and (found := checkpoint.latest(_checkpoints(run_dir))) is not None:
         raise LaunchError(
             f"{run_dir} already holds checkpoints ({found.name}) that a fresh run would "
@@ -264,6 +269,18 @@ def _progress_bar(show: bool, total: int, initial: int) -> Iterator[tqdm]:
         progress.handlers, progress.propagate = [], True
 
 
+def _hostnames(device: torch.device) -> list[str]:
+    """Every rank's host name, in rank order (a collective; bytes, not pickles)."""
+    width = 64
+    mine = socket.gethostname().encode()[:width].ljust(width, b"\0")
+    local = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    every = torch.empty(dist.get_world_size() * width, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(every, local)
+    raw = bytes(every.cpu().tolist())
+    names = [raw[i : i + width] for i in range(0, len(raw), width)]
+    return [name.rstrip(b"\0").decode(errors="replace") for name in names]
+
+
 def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> None:
     """One rank's training loop. `job_logging` is Hydra's logging config of the launch."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -278,6 +295,12 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     if cfg["mesh"] is not None:
         names = DP_GTP if len(cfg["mesh"]) == 2 else MESH_DIMS
         mesh = init_device_mesh(device.type, tuple(cfg["mesh"]), mesh_dim_names=names)
+    elif world > 1:  # GTPWrap's default, made here to show its layout
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("gtp",))
+    if mesh is not None:
+        hosts = _hostnames(device)
+        if rank == 0:
+            log.info("%s", report.mesh_layout(mesh, hosts))
     # The ranks of one tp group (innermost, consecutive) read the same batch.
     data_rank = rank // _tp_size(cfg["mesh"])
     expert_mesh = None

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError, CollectiveTimeoutError, GTPError, PeerFailedError, PolicyError
+from ..errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    GTPError,
+    PeerFailedError,
+    PeerLostError,
+    PolicyError,
+)
 from ..mesh import GTPMesh, MeshAxis
 from . import copy_engine
 from .agreement import Agreement
@@ -293,7 +300,12 @@ def wait_failure(
         return CollectiveError(f"{what} failed: {error}")
     if peer_failure is not None:
         return PeerFailedError(f"{what} failed: {peer_failure}")
-    return CollectiveTimeoutError(
+    if any(k in str(error).lower() for k in ("timed out", "timeout")):
+        return CollectiveTimeoutError(
+            f"{what} failed: a peer rank did not answer in time (it is stuck, or gone without "
+            f"closing its connection). Cause: {error}"
+        )
+    return PeerLostError(
         f"{what} failed: a peer rank closed its connection (it exited or crashed; its own log "
-        f"says why) or timed out. Cause: {error}"
+        f"says why). Cause: {error}"
     )
