@@ -166,13 +166,8 @@ class GTPEngine:
         self.reducer = GradReducer(shared, policy.group_numel, self.reduce_dtype)
         self.casts = Casts(built.storage, built.packing, built.cast_weights,
                            [w.param for w in self.weights], self.stats)  # fmt: skip
-        apart = built.replicated and mesh.data.size > 1  # see apart_from_backward
-        self.replicated = ReplicatedGrads(
-            built.replicated,
-            built.replicated_names,
-            self.comm,
-            apart_from_backward(mesh) if apart else mesh.data,
-        )
+        axis = apart_from_backward(mesh) if built.replicated and mesh.data.size > 1 else mesh.data
+        self.replicated = ReplicatedGrads(built.replicated, built.replicated_names, self.comm, axis)
         if mesh.world_size > 1:
             self.replicated.register(self.ensure_backward)
         self.uses = Uses(self, self.passes, self.gatherer, self.stats, self.precision)
