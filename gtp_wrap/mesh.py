@@ -64,6 +64,9 @@ class GTPMesh:
     egtp: MeshAxis = MeshAxis(EGTP, None, 0, 1)
     ep: MeshAxis = MeshAxis(EP, None, 0, 1)
     edp: MeshAxis = MeshAxis(EDP, None, 0, 1)
+    # The replicated parameters' all-reduces: `data`'s ranks, on a group of their own where
+    # `data`'s carries collectives of backward (see with_replicated_apart); None: `data`.
+    replicated: MeshAxis | None = None
 
     @property
     def world_size(self) -> int:
@@ -98,9 +101,15 @@ class GTPMesh:
         return [by_name[name] for name in self.device_mesh.mesh_dim_names or ()]
 
 
-def apart_from_backward(mesh: GTPMesh) -> MeshAxis:
-    """`mesh.data` on a process group of its own, for the replicated parameters' all-reduces
-    (one new group per data group, made by every rank in the same order).
+# Groups made for replicated all-reduces, by their ranks: every engine of a process over the
+# same ranks (an EMA or teacher copy, a benchmark's sweep) shares one communicator.
+_apart: dict[tuple[int, tuple[tuple[int, ...], ...]], dist.ProcessGroup] = {}
+
+
+def with_replicated_apart(mesh: GTPMesh) -> GTPMesh:
+    """`mesh` whose `replicated` role is `data` on a process group of its own, where `data`'s
+    group also carries collectives of backward (made by every rank in the same order; call it
+    where every rank is known to wrap alike, before any rank's own work can fail).
 
     [Note: replicated all-reduces on a group of their own] A bucket of replicated gradients is
     all-reduced as soon as its gradients are in, in the middle of backward, where the sharded
@@ -111,18 +120,32 @@ def apart_from_backward(mesh: GTPMesh) -> MeshAxis:
     aborts with a size mismatch, NCCL hangs or mixes the data. On a group of their own the
     all-reduces may run at different moments on different ranks and still meet, as long as
     each rank launches its buckets in one fixed order (runtime/replicated.py); the other
-    collectives never wait for them. The 1-D mesh over the world even shares the default group
-    with `data`, so a group is made whatever the mesh."""
-    assert mesh.device_mesh is not None  # only a distributed engine all-reduces
+    collectives never wait for them. A 1-D mesh over the world shares the default group with
+    `data`, as does an expert mesh's whole-world egtp; a (dp, gtp) mesh's data group (the
+    default group) carries nothing in backward, and needs no group of its own."""
+    if mesh.device_mesh is None or mesh.data.size == 1:
+        return mesh
+
+    def pg(axis: MeshAxis) -> dist.ProcessGroup | None:
+        return axis.group if axis.group is not None else dist.group.WORLD
+
+    backward = (mesh.gtp, mesh.dp, mesh.tp, mesh.egtp, mesh.ep, mesh.edp)
+    if all(pg(a) is not pg(mesh.data) for a in backward if a.size > 1):
+        return mesh
     grid = mesh.device_mesh.mesh
     if mesh.tp.size > 1:  # the dp x gtp ranks of each tp coordinate (tp is innermost)
         groups = [grid[..., t].flatten().tolist() for t in range(grid.shape[-1])]
     else:
         groups = [grid.flatten().tolist()]
-    group, _ = dist.new_subgroups_by_enumeration(groups, group_desc="gtp_replicated_grads")
+    key = (id(dist.group.WORLD), tuple(tuple(g) for g in groups))
+    if key not in _apart:
+        _apart[key], _ = dist.new_subgroups_by_enumeration(
+            groups, group_desc="gtp_replicated_grads"
+        )
     rank = dist.get_rank()
     (mine,) = [g for g in groups if rank in g]
-    return MeshAxis(mesh.data.name, group, mine.index(rank), len(mine))
+    apart = MeshAxis("replicated", _apart[key], mine.index(rank), len(mine))
+    return dataclasses.replace(mesh, replicated=apart)
 
 
 def make_mesh(

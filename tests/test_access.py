@@ -4,12 +4,13 @@ own, metadata in the compute dtype, a backward that raises, ranks built with dif
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import cached_ranks, run_ranks
+from harness import cached_ranks, caught, run_ranks
 from torch import nn
 
 import gtp_wrap
@@ -259,14 +260,14 @@ def _replicated_used_by_some_ranks(rank: int, world: int, bucket_bytes: int) -> 
     torch.manual_seed(0)
     ref = Branch()
     model = GTPWrap(copy.deepcopy(ref), {"min_shard_numel": 0})
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     steps = [((True, False), (False, True)), ((False, True), (True, False)),
              ((True, True), (True, False)), ((False, False), (False, False))]  # fmt: skip
     for step, uses in enumerate(steps):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
-        model(x, *uses[rank]).square().sum().backward()
-        ref(x, *uses[rank]).square().sum().backward()
+        model(x, *uses[rank]).square().mean().backward()
+        ref(x, *uses[rank]).square().mean().backward()
         for p in ref.parameters():
             grad = torch.zeros_like(p) if p.grad is None else p.grad
             had = torch.tensor(float(p.grad is not None))
@@ -288,6 +289,55 @@ def test_replicated_parameters_some_ranks_leave_unused(bucket_bytes: int) -> Non
     buckets on every rank, the all-reduces still meet. On the reduce-scatters' group gloo
     aborted with a size mismatch; buckets launched as they filled met the wrong partners."""
     assert max(run_ranks(_replicated_used_by_some_ranks, 2, bucket_bytes)) < 1e-6
+
+
+class _Stall(torch.autograd.Function):
+    """Identity whose backward sleeps 1.5 s: a rank late in the middle of its backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        time.sleep(1.5)
+        return grad
+
+
+class _Deeper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.c = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor, scale: bool, stall: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = _Stall.apply(h) if stall else h
+        h = h * self.scale if scale else h
+        return self.c(torch.tanh(self.b(h)))
+
+
+def _late_peer(rank: int, world: int) -> list[str]:
+    """Rank 0 alone uses the scale, so it all-reduces its bucket mid-backward; the last rank
+    stalls in its third backward after that point, and its peers' watch posts what they wait
+    for."""
+    torch.manual_seed(0)
+    model = GTPWrap(_Deeper(), {"min_shard_numel": 0, "group_numel": 1})
+    got = []
+    for step in range(3):
+        stall = step == 2 and rank == world - 1
+        loss = model(torch.randn(4, 16), rank == 0, stall).square().mean()
+        got.append(caught(loss.backward))
+    return got
+
+
+def test_replicated_all_reduces_are_numbered_on_their_own_group() -> None:
+    """The replicated all-reduces, issued at different moments on different ranks, are counted
+    on their own group: counted as collectives of the reduce-scatters' group, a late rank's
+    peers compared different numbers and raised a false ChainMismatchError."""
+    for got in run_ranks(_late_peer, 3):
+        assert got == ["no error"] * 3, got
 
 
 def _penalty_outside_forward(rank: int, world: int) -> list[str]:

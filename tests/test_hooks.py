@@ -90,6 +90,21 @@ def test_autograd_grad_of_a_sharded_parameter_is_refused() -> None:
     want = torch.autograd.grad(ref(x).square().sum(), [ref[0].bias, x])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    with pytest.raises(WrapError, match="sharded parameter 'lin.weight'"):
+        GTPWrap(_Penalized(), {"min_shard_numel": 0})(x)
+
+
+class _Penalized(nn.Module):
+    """A gradient penalty taken inside the forward, with respect to a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        (g,) = torch.autograd.grad(y.sum(), [self.lin.weight], create_graph=True)
+        return y.sum() + g.square().sum()
 
 
 def _replicated_hook(rank: int, world: int) -> list[str]:

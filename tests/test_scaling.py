@@ -633,6 +633,17 @@ def test_a_model_from_gtp_trains_configs_or_a_file(tmp_path: Path) -> None:
         model = load_model(name)
         assert model.n_params == GPTConfig(**keys).n_params, name  # type: ignore[arg-type]
         assert model.seq == keys["max_seq"]  # type: ignore[index]
+    # A file that leaves keys out plans what gtp-train builds from it (its GPTConfig defaults).
+    from gtp_wrap.scaling.model import TRAIN_DEFAULTS
+
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    assert all(defaults[k] == v for k, v in TRAIN_DEFAULTS.items()), defaults
+    least = {"vocab": 1000, "d": 64, "layers": 2, "heads": 4, "ffn": 128}
+    (tmp_path / "least.yaml").write_text("".join(f"{k}: {v}\n" for k, v in least.items()))
+    assert load_model(str(tmp_path / "least.yaml")).n_params == GPTConfig(**least).n_params
+    run = {"model": least, "trainer": {"steps": 3}}  # a run's composed .hydra/config.yaml
+    (tmp_path / "config.yaml").write_text(json.dumps(run))  # JSON is YAML
+    assert load_model(str(tmp_path / "config.yaml")).n_params == GPTConfig(**least).n_params
     mine = {"vocab": 1000, "d": 64, "layers": 2, "heads": 4, "ffn": 128, "kv_heads": 2}
     (tmp_path / "mine.json").write_text(json.dumps(mine))
     (tmp_path / "mine.yaml").write_text("".join(f"{k}: {v}\n" for k, v in mine.items()))
@@ -653,6 +664,11 @@ def test_a_model_from_gtp_trains_configs_or_a_file(tmp_path: Path) -> None:
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(SystemExit, match=re.escape(message)):
             main(["--model", str(tmp_path / "bad.json"), "--cluster", "cpu_gloo"])
+    for text, message in [("42\n", "holds a single value"), ("a: [1\n", "not a YAML mapping"),
+                          ("defaults: [x]\n", "a defaults list is Hydra's")]:  # fmt: skip
+        (tmp_path / "bad.yaml").write_text(text)
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            main(["--model", str(tmp_path / "bad.yaml"), "--cluster", "cpu_gloo"])
     with pytest.raises(SystemExit, match="model file .*gone.yaml does not exist"):
         main(["--model", str(tmp_path / "gone.yaml"), "--cluster", "cpu_gloo"])
     with pytest.raises(SystemExit, match="a gtp-train model config \\(gpt_125m, gpt_1p4b"):

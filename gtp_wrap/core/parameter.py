@@ -100,6 +100,8 @@ class GTPParameter(nn.Parameter):
                 runtime.close_abandoned_backward()
             if not runtime.intercepting():
                 return func(*args, **kwargs)
+            if func is torch.autograd.grad:  # inside a forward (a gradient penalty)
+                _refuse_grad_of_shards(args[1])
             if func in _META_FUNCS:
                 args, kwargs = tree_map_only(GTPParameter, _meta, (args, kwargs))
                 return func(*args, **kwargs)

@@ -426,7 +426,9 @@ def load(
     return extra
 
 
-def agree_loaded(engine: GTPEngine | None, path: str | os.PathLike, loaded: bool) -> None:
+def agree_loaded(
+    engine: GTPEngine | None, path: str | os.PathLike, loaded: bool, key: str = "checkpoint"
+) -> None:
     """[Note: a load fails on every rank] Each rank reads only the files that hold its parts,
     so a damaged file fails the ranks that read it, and the others would train on from a state
     that no longer matches theirs. The ranks exchange their outcome (through the store, like
@@ -435,7 +437,7 @@ def agree_loaded(engine: GTPEngine | None, path: str | os.PathLike, loaded: bool
         return
     try:
         outcome = engine.agreement.exchange(
-            "checkpoint-loaded", [int(loaded)], "the end of a checkpoint load"
+            f"{key}-loaded", [int(loaded)], f"the end of a {key} load"
         )
     except GTPError as error:
         if not loaded:

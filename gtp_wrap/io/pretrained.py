@@ -100,9 +100,9 @@ def load_pretrained(
     try:
         _load_pretrained(model, path, rename)
     except Exception:  # any error, so that every rank reaches the agreement once per load
-        agree_loaded(engine, path, loaded=False)
+        agree_loaded(engine, path, loaded=False, key="pretrained")
         raise
-    agree_loaded(engine, path, loaded=True)
+    agree_loaded(engine, path, loaded=True, key="pretrained")
 
 
 def _load_pretrained(

@@ -36,7 +36,7 @@ from ..core.build import build, check_ranks_agree, install_process_hooks
 from ..core.parameter import resume_in_backward
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError, WrapError
-from ..mesh import GTPMesh, apart_from_backward
+from ..mesh import GTPMesh, with_replicated_apart
 from ..parallel.experts import EPLayout, ExpertDispatch
 from ..parallel.tensor import TPLayout
 from ..precision.encoding import Precision
@@ -127,6 +127,8 @@ class GTPEngine:
         self.watch = Watch(str(next(_engine_ids)), timeout)
         self.agreement = Agreement(mesh.world_size, self.watch)
         check_ranks_agree(plans, policy, self.agreement, layouts)
+        if any(p.shard_dim is None for p in plans):  # every rank alike, nothing allocated yet
+            mesh = self.mesh = with_replicated_apart(mesh)
         # The groups the sharded weights are sharded over: gtp, and egtp for expert stacks.
         groups = {
             mesh.egtp.size if p.expert else mesh.gtp.size for p in plans if p.shard_dim is not None
@@ -166,7 +168,7 @@ class GTPEngine:
         self.reducer = GradReducer(shared, policy.group_numel, self.reduce_dtype)
         self.casts = Casts(built.storage, built.packing, built.cast_weights,
                            [w.param for w in self.weights], self.stats)  # fmt: skip
-        axis = apart_from_backward(mesh) if built.replicated and mesh.data.size > 1 else mesh.data
+        axis = mesh.replicated or mesh.data
         self.replicated = ReplicatedGrads(built.replicated, built.replicated_names, self.comm, axis)
         if mesh.world_size > 1:
             self.replicated.register(self.ensure_backward)

@@ -209,6 +209,10 @@ def model_by_name(name: str) -> ModelConfig:
 
 # Keys of gtp-train's model configs that do not change what a step gathers or computes.
 _TRAINING_ONLY = frozenset({"rope_base", "aux_loss_coef"})
+# What gtp-train's GPTConfig takes for a key a model file leaves out (tests check they agree),
+# so a file plans the model gtp-train builds from it.
+TRAIN_DEFAULTS = {"tie_embeddings": True, "max_seq": 256, "experts": 0, "top_k": 2, "moe_ffn": 0,
+                  "shared_expert": False}  # fmt: skip
 _FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("name", "note"))
 
 
@@ -250,22 +254,38 @@ def _read(path: Path) -> Any:
             raise ModelError(f"model file {path} is not valid JSON ({e})") from e
     try:
         from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+        from yaml import YAMLError
     except ImportError as e:
         raise ModelError(
             f"reading {path} needs omegaconf (pip install omegaconf), or give the model as JSON"
         ) from e
-    return OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+    try:
+        loaded = OmegaConf.create(text)
+        raw = OmegaConf.to_container(loaded, resolve=True)
+    except (YAMLError, OmegaConfBaseException, ValueError, AssertionError) as e:  # a scalar file
+        detail = str(e) or "it holds a single value"
+        raise ModelError(f"model file {path} is not a YAML mapping of model keys ({detail})") from e
+    if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
+        return raw["model"]  # a whole gtp-train config (a run's .hydra/config.yaml)
+    return raw
 
 
 def model_from_dict(raw: Any, name: str, note: str = "") -> ModelConfig:
     """A model from the keys of a gtp-train model config (`max_seq` is the plans' default
-    sequence length); keys that only training uses (rope_base, aux_loss_coef) are ignored."""
+    sequence length); a key left out takes gtp-train's default (`TRAIN_DEFAULTS`), and keys
+    that only training uses (rope_base, aux_loss_coef) are ignored."""
     if not isinstance(raw, Mapping):
         raise ModelError(
             f"model {name!r} must be a mapping of model keys, got {type(raw).__name__}"
         )
+    if "defaults" in raw:
+        raise ModelError(
+            f"model {name!r}: a defaults list is Hydra's; give the model's keys themselves "
+            "(or the run's composed .hydra/config.yaml)"
+        )
     fields: dict[str, Any] = {}
-    for key, value in raw.items():
+    for key, value in {**TRAIN_DEFAULTS, **raw}.items():
         field = "seq" if key == "max_seq" else str(key)
         if key in _TRAINING_ONLY:
             continue
