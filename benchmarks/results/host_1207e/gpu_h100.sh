@@ -1,6 +1,6 @@
 # Where only an H100 comes (one GPU): the CUDA tests of this session's tree (the replicated
 # all-reduce group, the copy-engine axis guard and the autograd.grad refusal touch engine and
-# comm code), then the 125M batch-1 eager and compiled ratios and the host time per use.
+# comm code), then the 125M batch-1 eager and compiled ratios.
 #   bash benchmarks/results/host_1207e/gpu_h100.sh      (carry .whl)
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
