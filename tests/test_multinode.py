@@ -236,8 +236,8 @@ def _losses(run_dir: Path) -> list[float]:
 
 @pytest.mark.timeout(300)
 def test_gtp_train_on_two_nodes_matches_one_node(tmp_path: Path) -> None:
-    """The README's launch script on two agents, mesh [2, 2]: the losses of the same run on one
-    agent of 4 ranks."""
+    """The README's launch script on two agents, mesh [2, 2], with gtp inside the agents and
+    across them: the losses of the same run on one agent of 4 ranks."""
     two, one = tmp_path / "two_nodes", tmp_path / "one_node"
     env = {"NNODES": str(NODES), "NPROC": str(PER_NODE), "HEAD": "127.0.0.1",
            "PORT": str(_free_port()), "RUN_ID": "gtp-test"}  # fmt: skip
@@ -252,6 +252,14 @@ def test_gtp_train_on_two_nodes_matches_one_node(tmp_path: Path) -> None:
     # Rank 0 logs the layout it trained on: the gtp groups, one per agent.
     logs = (tmp_path / "agent0.log").read_text() + (tmp_path / "agent1.log").read_text()
     assert "gtp groups (one host each): [0, 1] [2, 3]" in logs, logs[-3000:]
+    # gtp across the agents (mesh_layout=gtp_outer): the same training, summed in another order.
+    outer = tmp_path / "gtp_outer"
+    script = ["bash", "-c", _launch_block(), "launch", *TRAIN, f"out_dir={outer}",
+              "mesh_layout=gtp_outer"]  # fmt: skip
+    _agents([script] * NODES, tmp_path, {**env, "PORT": str(_free_port())}, timeout=130)
+    torch.testing.assert_close(_losses(outer), ref, rtol=1e-5, atol=0)
+    logs = (tmp_path / "agent0.log").read_text() + (tmp_path / "agent1.log").read_text()
+    assert "gtp groups (one host each): [0, 2] [1, 3]" in logs, logs[-3000:]
 
 
 @pytest.mark.parametrize(

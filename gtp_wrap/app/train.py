@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -146,6 +146,8 @@ def _validate(cfg: dict, run_dir: str) -> None:
         )
     # The splits and the token ids against the vocab, as every rank will check them.
     TokenStream(DataConfig(**cfg["data"]), t["seq"], cfg["model"]["vocab"], cfg["seed"])
+    if cfg.get("mesh_layout", "gtp_inner") not in ("gtp_inner", "gtp_outer"):
+        raise LaunchError(f"mesh_layout={cfg['mesh_layout']!r}: use gtp_inner or gtp_outer")
     if cfg["mesh"] is not None and len(cfg["mesh"]) not in (2, 3):
         raise LaunchError(f"mesh={cfg['mesh']}: give two sizes, [dp, gtp], or three, [dp, gtp, tp]")
     if cfg["mesh"] is not None and not all(isinstance(n, int) and n >= 1 for n in cfg["mesh"]):
@@ -269,6 +271,21 @@ def _progress_bar(show: bool, total: int, initial: int) -> Iterator[tqdm]:
         progress.handlers, progress.propagate = [], True
 
 
+def _mesh(device: torch.device, shape: list[int], layout: str) -> DeviceMesh:
+    """The ("dp", "gtp"[, "tp"]) mesh of `shape`. gtp_inner: `init_device_mesh`'s row-major
+    layout, each gtp group a run of consecutive ranks (one node's, under torchrun). gtp_outer:
+    gtp groups strided across those runs and each dp group a run, for weights sharded over
+    more GPUs than a node has; tp stays innermost either way."""
+    names = DP_GTP if len(shape) == 2 else MESH_DIMS
+    if layout == "gtp_inner":
+        return init_device_mesh(device.type, tuple(shape), mesh_dim_names=names)
+    dp, gtp, tp = (*shape, 1)[:3]
+    ranks = torch.arange(dp * gtp * tp).view(gtp, dp, tp).transpose(0, 1)
+    return DeviceMesh(
+        device.type, ranks if len(shape) == 3 else ranks[..., 0], mesh_dim_names=names
+    )
+
+
 def _hostnames(device: torch.device) -> list[str]:
     """Every rank's host name, in rank order (a collective; bytes, not pickles)."""
     width = 64
@@ -293,8 +310,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     model_cfg = _model_config(cfg["model"])
     mesh = None
     if cfg["mesh"] is not None:
-        names = DP_GTP if len(cfg["mesh"]) == 2 else MESH_DIMS
-        mesh = init_device_mesh(device.type, tuple(cfg["mesh"]), mesh_dim_names=names)
+        mesh = _mesh(device, cfg["mesh"], cfg.get("mesh_layout", "gtp_inner"))
     elif world > 1:  # GTPWrap's default, made here to show its layout
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("gtp",))
     if mesh is not None:
