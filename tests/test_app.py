@@ -235,6 +235,7 @@ BAD_INPUT = [
     ("data.path=/no/such/file.txt", "does not exist; give a text file (its bytes are the"),
     ("mesh=[3,1]", "mesh=[3, 1] does not multiply to nproc=2"),
     ("mesh_layout=diagonal", "mesh_layout='diagonal': use gtp_inner or gtp_outer"),
+    ("mesh_layout=gtp_outer", "mesh_layout=gtp_outer lays out a mesh of dp and gtp"),
     ("device=tpu", "device='tpu': use auto"),
     ("mesh=[2]", "give two sizes, [dp, gtp]"),
     ("policy=copy_engine", "on CPU ranks use collectives=process_group"),

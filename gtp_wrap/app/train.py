@@ -148,6 +148,11 @@ def _validate(cfg: dict, run_dir: str) -> None:
     TokenStream(DataConfig(**cfg["data"]), t["seq"], cfg["model"]["vocab"], cfg["seed"])
     if cfg.get("mesh_layout", "gtp_inner") not in ("gtp_inner", "gtp_outer"):
         raise LaunchError(f"mesh_layout={cfg['mesh_layout']!r}: use gtp_inner or gtp_outer")
+    if cfg.get("mesh_layout") == "gtp_outer" and cfg["mesh"] is None:
+        raise LaunchError(
+            "mesh_layout=gtp_outer lays out a mesh of dp and gtp: give mesh=[dp, gtp] too (without "
+            "it every rank is in the one gtp group)"
+        )
     if cfg["mesh"] is not None and len(cfg["mesh"]) not in (2, 3):
         raise LaunchError(f"mesh={cfg['mesh']}: give two sizes, [dp, gtp], or three, [dp, gtp, tp]")
     if cfg["mesh"] is not None and not all(isinstance(n, int) and n >= 1 for n in cfg["mesh"]):
