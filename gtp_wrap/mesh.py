@@ -64,13 +64,18 @@ class GTPMesh:
     egtp: MeshAxis = MeshAxis(EGTP, None, 0, 1)
     ep: MeshAxis = MeshAxis(EP, None, 0, 1)
     edp: MeshAxis = MeshAxis(EDP, None, 0, 1)
-    # The replicated parameters' all-reduces: `data`'s ranks, on a group of their own where
-    # `data`'s carries collectives of backward (see with_replicated_apart); None: `data`.
-    replicated: MeshAxis | None = None
+    # `data`'s ranks on a group of their own, where `data`'s carries collectives of backward
+    # (see with_replicated_apart); None: `data`'s group serves.
+    apart: MeshAxis | None = None
 
     @property
     def world_size(self) -> int:
         return self.world.size
+
+    @property
+    def replicated(self) -> MeshAxis:
+        """The axis the replicated parameters' gradients are all-reduced over."""
+        return self.apart or self.data
 
     def replicas(self, axis: MeshAxis) -> MeshAxis:
         """The axis a weight sharded over `axis` is replicated over: its gradient, reduced
@@ -107,7 +112,7 @@ _apart: dict[tuple[int, tuple[tuple[int, ...], ...]], dist.ProcessGroup] = {}
 
 
 def with_replicated_apart(mesh: GTPMesh) -> GTPMesh:
-    """`mesh` whose `replicated` role is `data` on a process group of its own, where `data`'s
+    """`mesh` whose `replicated` axis is `data` on a process group of its own, where `data`'s
     group also carries collectives of backward (made by every rank in the same order; call it
     where every rank is known to wrap alike, before any rank's own work can fail).
 
@@ -145,7 +150,7 @@ def with_replicated_apart(mesh: GTPMesh) -> GTPMesh:
     rank = dist.get_rank()
     (mine,) = [g for g in groups if rank in g]
     apart = MeshAxis("replicated", _apart[key], mine.index(rank), len(mine))
-    return dataclasses.replace(mesh, replicated=apart)
+    return dataclasses.replace(mesh, apart=apart)
 
 
 def make_mesh(

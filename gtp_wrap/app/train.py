@@ -36,6 +36,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import gtp_wrap
 from gtp_wrap import GTPPolicy, GTPWrap
+from gtp_wrap.api import engine_of
 from gtp_wrap.config.policy import resolve_policy
 from gtp_wrap.errors import CheckpointError, PolicyError
 from gtp_wrap.mesh import DP_GTP, EXPERT_DIMS, MESH_DIMS
@@ -291,16 +292,17 @@ def _mesh(device: torch.device, shape: list[int], layout: str) -> DeviceMesh:
     )
 
 
-def _hostnames(device: torch.device) -> list[str]:
-    """Every rank's host name, in rank order (a collective; bytes, not pickles)."""
-    width = 64
-    mine = socket.gethostname().encode()[:width].ljust(width, b"\0")
-    local = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
-    every = torch.empty(dist.get_world_size() * width, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(every, local)
-    raw = bytes(every.cpu().tolist())
-    names = [raw[i : i + width] for i in range(0, len(raw), width)]
-    return [name.rstrip(b"\0").decode(errors="replace") for name in names]
+def _log_layout(model: torch.nn.Module, rank: int) -> None:
+    """Rank 0 logs the mesh the engine trains on, with every rank's host (a collective)."""
+    engine = engine_of(model)
+    if engine.mesh.device_mesh is None:
+        return
+    per_rank = engine.agreement.exchange(
+        "hosts", list(socket.gethostname().encode()), "the exchange of the ranks' host names"
+    )
+    if rank == 0:
+        hosts = [bytes(name).decode(errors="replace") for name in per_rank]
+        log.info("%s", report.mesh_layout(engine.mesh.device_mesh, hosts))
 
 
 def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> None:
@@ -316,12 +318,6 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     mesh = None
     if cfg["mesh"] is not None:
         mesh = _mesh(device, cfg["mesh"], cfg.get("mesh_layout", "gtp_inner"))
-    elif world > 1:  # GTPWrap's default, made here to show its layout
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("gtp",))
-    if mesh is not None:
-        hosts = _hostnames(device)
-        if rank == 0:
-            log.info("%s", report.mesh_layout(mesh, hosts))
     # The ranks of one tp group (innermost, consecutive) read the same batch.
     data_rank = rank // _tp_size(cfg["mesh"])
     expert_mesh = None
@@ -353,6 +349,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
         gtp_wrap.compile(model, blocks=model.blocks)  # GTP's gathers between compiled blocks
     elif t["gather_per_block"] and not policy.fp8_matmul:  # FP8 GEMMs need per-use gathers
         gtp_wrap.gather_per_block(model, blocks=model.blocks)  # eager, on gathered weights
+    _log_layout(model, rank)
     if rank == 0:
         log.info("what the policy did (gtp_wrap.describe):\n%s", gtp_wrap.describe(model))
     optim = _optimizer(model, cfg["optimizer"], t)

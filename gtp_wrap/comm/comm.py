@@ -76,7 +76,7 @@ class Comm:
         self.watch = watch
         # Each role's process group as the watch numbers its collectives.
         axes = (mesh.gtp, mesh.dp, mesh.tp, mesh.data, mesh.world, mesh.egtp, mesh.ep, mesh.edp,
-                mesh.replicated or mesh.data)  # fmt: skip
+                mesh.replicated)  # fmt: skip
         self._where = {a.name: group_key(a.group) for a in axes if a.size > 1}
         self.gtp = mesh.gtp
         self.gather_copies: CopyEngineCollectives | None = None

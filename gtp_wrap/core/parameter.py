@@ -86,7 +86,7 @@ class GTPParameter(nn.Parameter):
             elif func in _MODULE_COMPUTE:
                 _refuse_compute_on_shards(func, args, kwargs)
             elif func is torch.autograd.grad:
-                _refuse_grad_of_shards(args[1])
+                refuse_grad_of_shards(args[1])
             return _plain(func, types, args, kwargs or _NO_KWARGS)
         kwargs = kwargs or {}
         runtime = _runtime_of(args, kwargs)
@@ -100,8 +100,6 @@ class GTPParameter(nn.Parameter):
                 runtime.close_abandoned_backward()
             if not runtime.intercepting():
                 return func(*args, **kwargs)
-            if func is torch.autograd.grad:  # inside a forward (a gradient penalty)
-                _refuse_grad_of_shards(args[1])
             if func in _META_FUNCS:
                 args, kwargs = tree_map_only(GTPParameter, _meta, (args, kwargs))
                 return func(*args, **kwargs)
@@ -186,7 +184,7 @@ def _refuse_compute_on_shards(func, args: tuple, kwargs: dict | None) -> None:
             )
 
 
-def _refuse_grad_of_shards(inputs: tuple) -> None:
+def refuse_grad_of_shards(inputs: tuple) -> None:
     """`torch.autograd.grad` with respect to a sharded parameter cannot return its gradient:
     none flows into the parameter through autograd (each use's full-weight gradient goes to
     the reduce-scatter, which writes this rank's rows into `.grad` when backward ends), so

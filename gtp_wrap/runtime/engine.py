@@ -168,8 +168,9 @@ class GTPEngine:
         self.reducer = GradReducer(shared, policy.group_numel, self.reduce_dtype)
         self.casts = Casts(built.storage, built.packing, built.cast_weights,
                            [w.param for w in self.weights], self.stats)  # fmt: skip
-        axis = mesh.replicated or mesh.data
-        self.replicated = ReplicatedGrads(built.replicated, built.replicated_names, self.comm, axis)
+        self.replicated = ReplicatedGrads(
+            built.replicated, built.replicated_names, self.comm, mesh.replicated
+        )
         if mesh.world_size > 1:
             self.replicated.register(self.ensure_backward)
         self.uses = Uses(self, self.passes, self.gatherer, self.stats, self.precision)

@@ -37,6 +37,10 @@ class _Bucket:
         self.locally_missing = False  # reading the flags costs a host sync: only when needed
         self.pending: Pending | None = None
 
+    def trains(self) -> bool:
+        """Whether any of its parameters requires grad now (the same on every rank)."""
+        return any(p.requires_grad for p in self.params)
+
     def allocate(self) -> None:
         """A zeroed buffer for the grads, with one flag per parameter after them, and each
         parameter's view of it, made once: a launch and a finish are then one copy each for
@@ -132,8 +136,7 @@ class ReplicatedGrads:
         same ones)."""
         while self._next < len(self.buckets):
             bucket = self.buckets[self._next]
-            frozen = not any(p.requires_grad for p in bucket.params)
-            if not frozen:
+            if bucket.trains():
                 if len(bucket.ready) < len(bucket.params):
                     return
                 self._launch(bucket)
@@ -177,7 +180,7 @@ class ReplicatedGrads:
         """Launch the buckets still waiting, in order, then land every reduced grad in
         `.grad`."""
         for bucket in self.buckets[self._next :]:
-            if any(p.requires_grad for p in bucket.params):
+            if bucket.trains():
                 self._launch(bucket)
         self._next = 0
         for bucket in self.buckets:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.autograd import forward_ad
 from torch.utils._pytree import tree_map_only
 
-from ..core.parameter import GTPParameter, written_param
+from ..core.parameter import GTPParameter, refuse_grad_of_shards, written_param
 from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
 from ..precision import fp8
@@ -150,6 +150,8 @@ class Uses:
         w = self.linear_weight(func, args, kwargs) if self.own_linear else None
         if w is not None:
             return self._linear(w, *args, **kwargs)
+        if func is torch.autograd.grad:  # inside a forward (a gradient penalty)
+            refuse_grad_of_shards(args[1])
         p = written_param(func, args, kwargs)
         if p is not None:
             raise WrapError(
