@@ -160,24 +160,54 @@ def make_mesh(
     ep: int = 1,
     egtp: int = 1,
     device_type: str | None = None,
+    layout: str = "gtp_inner",
 ) -> tuple[DeviceMesh, DeviceMesh]:
-    """`(mesh, expert_mesh)` over the whole world. `mesh` has dims ("dp", "gtp", "tp") as given:
-    each size a whole number, or -1 (one of them at most) for what the others leave of the
-    world; dims of size 1 other than "gtp" are left out. `expert_mesh` factors the same world
-    for expert weights as ("edp", "ep", "egtp"), edp being what ep x egtp leave: GTPWrap's
-    `expert_mesh`. `device_type`: "cuda" where a GPU is present, else "cpu", by default."""
+    """`(mesh, expert_mesh)` over the whole world. `mesh` is `dense_mesh(dp, gtp, tp,
+    device_type, layout)`. `expert_mesh` factors the same world for expert weights as ("edp",
+    "ep", "egtp"), edp being what ep x egtp leave: GTPWrap's `expert_mesh`. `device_type`:
+    "cuda" where a GPU is present, else "cpu", by default."""
+    if ep < 1 or egtp < 1:
+        raise WrapError(f"make_mesh(ep={ep}, egtp={egtp}): give each as a whole number >= 1")
+    mesh = dense_mesh(dp, gtp, tp, device_type, layout)
+    world = mesh.size()
+    if world % (ep * egtp):
+        raise WrapError(
+            f"make_mesh(ep={ep}, egtp={egtp}): ep x egtp must divide the world of {world} ranks"
+        )
+    experts = (world // (ep * egtp), ep, egtp)
+    return mesh, init_device_mesh(mesh.device_type, experts, mesh_dim_names=EXPERT_DIMS)
+
+
+MESH_LAYOUTS = ("gtp_inner", "gtp_outer")
+
+
+def dense_mesh(
+    dp: int = 1,
+    gtp: int = -1,
+    tp: int = 1,
+    device_type: str | None = None,
+    layout: str = "gtp_inner",
+) -> DeviceMesh:
+    """The mesh of dims ("dp", "gtp", "tp") over the whole world, GTPWrap's `mesh`. Each size
+    a whole number, or -1 (one of them at most) for what the others leave of the world; dims of
+    size 1 other than "gtp" are left out. tp groups are runs of consecutive ranks (one node's
+    NVLink under torchrun). `layout` places the rest:
+
+    - "gtp_inner": each gtp group a run of consecutive ranks (`init_device_mesh`'s row-major
+      order); dp crosses the runs. Gathers stay on a node's links.
+    - "gtp_outer": each dp group a run of consecutive ranks and the gtp groups strided across
+      the runs, for weights sharded over more GPUs than a node has.
+
+    The README's "Which mesh axis on which link" says which to use and why."""
     if not dist.is_initialized():
         raise WrapError("make_mesh needs torch.distributed: call dist.init_process_group() first")
     world = dist.get_world_size()
-    call = f"make_mesh(dp={dp}, gtp={gtp}, tp={tp}, ep={ep}, egtp={egtp})"
+    call = f"a mesh of dp={dp}, gtp={gtp}, tp={tp}"
+    if layout not in MESH_LAYOUTS:
+        raise WrapError(f"{call}: layout={layout!r} is not one of {', '.join(MESH_LAYOUTS)}")
     sizes = {DP: dp, GTP: gtp, TP: tp}
     rest = [name for name, size in sizes.items() if size == -1]
-    if (
-        len(rest) > 1
-        or any(size < 1 and size != -1 for size in sizes.values())
-        or ep < 1
-        or egtp < 1
-    ):
+    if len(rest) > 1 or any(size < 1 and size != -1 for size in sizes.values()):
         raise WrapError(
             f"{call}: give each size as a whole number >= 1, or -1 for one of dp, gtp and tp "
             "(what the others leave of the world)"
@@ -185,17 +215,20 @@ def make_mesh(
     known = math.prod(size for size in sizes.values() if size != -1)
     if rest:
         sizes[rest[0]] = world // known if world % known == 0 else 0
-    if math.prod(sizes.values()) != world or world % (ep * egtp):
+    if math.prod(sizes.values()) != world:
         raise WrapError(
             f"{call} does not fill the world of {world} ranks: dp x gtp x tp must equal the "
-            "world size, and ep x egtp divide it"
+            "world size"
         )
-    names = tuple(name for name in MESH_DIMS if name == GTP or sizes[name] > 1)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
-    experts = (world // (ep * egtp), ep, egtp)
-    return mesh, init_device_mesh(device_type, experts, mesh_dim_names=EXPERT_DIMS)
+    ranks = torch.arange(world).view(sizes[DP], sizes[GTP], sizes[TP])
+    if layout == "gtp_outer":
+        ranks = torch.arange(world).view(sizes[GTP], sizes[DP], sizes[TP]).transpose(0, 1)
+    kept = [i for i, name in enumerate(MESH_DIMS) if name == GTP or sizes[name] > 1]
+    ranks = ranks.reshape([sizes[MESH_DIMS[i]] for i in kept])
+    names = tuple(MESH_DIMS[i] for i in kept)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
 
 
 def _axis(mesh: DeviceMesh, name: str) -> MeshAxis:

@@ -207,6 +207,7 @@ def _refused(rank: int, world: int) -> dict:
                                               POLICY, mesh=mesh, expert_mesh=expert_mesh)),
         "too_big": caught(lambda: gtp_wrap.make_mesh(gtp=2, ep=4)),
         "not_dividing": caught(lambda: gtp_wrap.make_mesh(gtp=2, ep=1, egtp=3)),
+        "layout": caught(lambda: gtp_wrap.make_mesh(gtp=2, layout="diagonal")),
         "names": caught(lambda: GTPWrap(GPT(CFG), POLICY, mesh=mesh, expert_mesh=mesh)),
         "no_module": caught(lambda: GTPWrap(GPT(CFG), no_ep_module, mesh=mesh,
                                             expert_mesh=expert_mesh)),
@@ -226,8 +227,9 @@ def _refused(rank: int, world: int) -> dict:
 def test_bad_expert_meshes_are_refused_at_wrap() -> None:
     r = cached_ranks(_refused, 2)[0]
     assert "cannot be split over ep=2" in r["odd_experts"] and "multiple of ep" in r["odd_experts"]
-    assert r["too_big"].startswith("WrapError") and "ep x egtp divide" in r["too_big"]
-    assert r["not_dividing"].startswith("WrapError") and "ep x egtp divide" in r["not_dividing"]
+    for refused in (r["too_big"], r["not_dividing"]):
+        assert refused.startswith("WrapError") and "ep x egtp must divide the world of 2" in refused
+    assert "layout='diagonal' is not one of gtp_inner, gtp_outer" in r["layout"]
     assert "dims named from ('edp', 'ep', 'egtp')" in r["names"]
     assert "not among the policy's expert_parallel ['Attention']" in r["no_module"]
     assert "no module matches the policy's expert_parallel []" in r["none"]

@@ -3,8 +3,9 @@
 Two torchrun agents of 2 CPU ranks each ("nodes"; `--nnodes 2 --nproc_per_node 2`, c10d
 rendezvous on 127.0.0.1) start this file as a script: it trains the tied-embedding TinyGPT of
 the parity cases on a ("dp", "gtp") mesh with its gtp groups inside the nodes ({0,1}, {2,3}:
-`make_mesh`) and on one with its gtp groups across them ({0,2}, {1,3}: a DeviceMesh of an
-explicit rank tensor), both against a single-process reference trained on all ranks' batches.
+`make_mesh`) and on one with its gtp groups across them ({0,2}, {1,3}: the README's
+`layout="gtp_outer"` snippet), both against a single-process reference trained on all ranks'
+batches.
 Then `gtp-train` runs on two such agents through the launch script of the README's multi-node
 section, and its losses are compared with the same run on one agent of 4 ranks.
 """
@@ -95,9 +96,16 @@ def _agents(commands: list[list[str]], cwd: Path, env: dict[str, str], timeout: 
         pytest.fail(f"torchrun agents failed or ran past {timeout:.0f}s:\n{tails}")
 
 
-def _explicit_mesh(ranks: list[list[int]]) -> DeviceMesh:
-    """A ("dp", "gtp") mesh of the given rank layout (rows: dp, columns: gtp)."""
-    return DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=DP_GTP)
+def _readme_gtp_outer_mesh() -> DeviceMesh:
+    """The mesh of the README's gtp_outer snippet, whose own check of this rank's gtp group
+    runs here too; its GTPWrap call is `_train_on`'s."""
+    section = DOC.read_text().split("### Which mesh axis on which link", 1)[1].split("\n## ")[0]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None, "the README's mesh-layout section has no python block"
+    scope = {"gtp_wrap": gtp_wrap, "GTPWrap": lambda *args, **kwargs: None}
+    scope |= {"model": None, "policy": None}
+    exec(compile(match.group(1), "README.md", "exec"), scope)  # noqa: S102 - the README's code
+    return scope["mesh"]
 
 
 def _bytes_by_axis(model: torch.nn.Module) -> dict[str, int]:
@@ -153,7 +161,7 @@ def _rank_main(device: torch.device, out: str) -> None:
     results = {
         "where": where,
         "gtp_in_node": _train_on(gtp_wrap.make_mesh(dp=NODES, gtp=PER_NODE, device_type="cpu")[0]),
-        "gtp_across_nodes": _train_on(_explicit_mesh([[0, 2], [1, 3]])),
+        "gtp_across_nodes": _train_on(_readme_gtp_outer_mesh()),
     }
     if dist.get_rank() == 0:
         torch.save(results, out)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -39,7 +39,7 @@ from gtp_wrap import GTPPolicy, GTPWrap
 from gtp_wrap.api import engine_of
 from gtp_wrap.config.policy import resolve_policy
 from gtp_wrap.errors import CheckpointError, PolicyError
-from gtp_wrap.mesh import DP_GTP, EXPERT_DIMS, MESH_DIMS
+from gtp_wrap.mesh import EXPERT_DIMS, MESH_LAYOUTS, dense_mesh
 from gtp_wrap.optim import Muon, muon_param_groups
 
 from ..io import checkpoint
@@ -147,7 +147,7 @@ def _validate(cfg: dict, run_dir: str) -> None:
         )
     # The splits and the token ids against the vocab, as every rank will check them.
     TokenStream(DataConfig(**cfg["data"]), t["seq"], cfg["model"]["vocab"], cfg["seed"])
-    if cfg.get("mesh_layout", "gtp_inner") not in ("gtp_inner", "gtp_outer"):
+    if cfg.get("mesh_layout", "gtp_inner") not in MESH_LAYOUTS:
         raise LaunchError(f"mesh_layout={cfg['mesh_layout']!r}: use gtp_inner or gtp_outer")
     if cfg.get("mesh_layout") == "gtp_outer" and cfg["mesh"] is None:
         raise LaunchError(
@@ -277,21 +277,6 @@ def _progress_bar(show: bool, total: int, initial: int) -> Iterator[tqdm]:
         progress.handlers, progress.propagate = [], True
 
 
-def _mesh(device: torch.device, shape: list[int], layout: str) -> DeviceMesh:
-    """The ("dp", "gtp"[, "tp"]) mesh of `shape`. gtp_inner: `init_device_mesh`'s row-major
-    layout, each gtp group a run of consecutive ranks (one node's, under torchrun). gtp_outer:
-    gtp groups strided across those runs and each dp group a run, for weights sharded over
-    more GPUs than a node has; tp stays innermost either way."""
-    names = DP_GTP if len(shape) == 2 else MESH_DIMS
-    if layout == "gtp_inner":
-        return init_device_mesh(device.type, tuple(shape), mesh_dim_names=names)
-    dp, gtp, tp = (*shape, 1)[:3]
-    ranks = torch.arange(dp * gtp * tp).view(gtp, dp, tp).transpose(0, 1)
-    return DeviceMesh(
-        device.type, ranks if len(shape) == 3 else ranks[..., 0], mesh_dim_names=names
-    )
-
-
 def _log_layout(model: torch.nn.Module, rank: int) -> None:
     """Rank 0 logs the mesh the engine trains on, with every rank's host (a collective)."""
     engine = engine_of(model)
@@ -317,7 +302,8 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     model_cfg = _model_config(cfg["model"])
     mesh = None
     if cfg["mesh"] is not None:
-        mesh = _mesh(device, cfg["mesh"], cfg.get("mesh_layout", "gtp_inner"))
+        dp, gtp, tp = (*cfg["mesh"], 1)[:3]
+        mesh = dense_mesh(dp, gtp, tp, device.type, cfg.get("mesh_layout", "gtp_inner"))
     # The ranks of one tp group (innermost, consecutive) read the same batch.
     data_rank = rank // _tp_size(cfg["mesh"])
     expert_mesh = None
