@@ -209,6 +209,22 @@ def test_missing_peer_times_out_naming_the_weight() -> None:
     assert "rank 0 failed while waiting for its peers with CollectiveTimeoutError" in rank1
 
 
+def _lone_full_state_dict(rank: int, world: int) -> str:
+    model = GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0, "collective_timeout_s": 2})
+    if rank == 1:
+        return "no call"  # only rank 0 asks for the full weights, as in an `if rank == 0:`
+    return caught(lambda: gtp_wrap.full_state_dict(model))
+
+
+_lone_full_state_dict.leaves_group_broken = True  # type: ignore[attr-defined]
+
+
+def test_full_state_dict_on_one_rank_times_out_naming_the_others() -> None:
+    rank0, _ = run_ranks(_lone_full_state_dict, 2, timeout=120)
+    assert rank0.startswith(CollectiveTimeoutError.__name__), rank0
+    assert "rank(s) [1] did not reach full_state_dict(model), which every rank must call" in rank0
+
+
 def _failed_collective(rank: int, world: int) -> str:
     engine = engine_of(GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0}))
     with torch.inference_mode():  # gloo cannot write into it outside inference mode

@@ -34,7 +34,7 @@ from gtp_wrap import GTPWrap
 from gtp_wrap.api import engine_of
 from gtp_wrap.app.launch import run_rank
 from gtp_wrap.app.report import mesh_layout
-from gtp_wrap.mesh import DP_GTP
+from gtp_wrap.mesh import DP_GTP, EXPERT_DIMS
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "README.md"  # its multi-node section's launch block is what the test runs
@@ -278,13 +278,19 @@ def test_gtp_train_on_two_nodes_matches_one_node(tmp_path: Path) -> None:
 def test_the_mesh_layout_names_each_axis_groups_and_hosts(
     ranks: list[list[int]], gtp: str, dp: str
 ) -> None:
-    """gtp-train's start-up report of a ("dp", "gtp") mesh on two hosts of two ranks each."""
+    """gtp-train's start-up report of a ("dp", "gtp") mesh and an expert mesh (ep 2, egtp 2)
+    on two hosts of two ranks each."""
     mesh = DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=DP_GTP,
                       _init_backend=False, _rank=0)  # fmt: skip
-    text = mesh_layout(mesh, ["node-a", "node-a", "node-b", "node-b"])
+    experts = DeviceMesh("cpu", torch.arange(4).view(1, 2, 2), mesh_dim_names=EXPERT_DIMS,
+                         _init_backend=False, _rank=0)  # fmt: skip
+    text = mesh_layout([mesh, experts], ["node-a", "node-a", "node-b", "node-b"])
     columns = [list(c) for c in zip(*ranks)]
     assert f"gtp groups ({gtp}): {ranks[0]} {ranks[1]}" in text, text
     assert f"dp groups ({dp}): {columns[0]} {columns[1]}" in text, text
+    assert "egtp groups (one host each): [0, 1] [2, 3]" in text, text
+    assert "ep groups (across hosts): [0, 2] [1, 3]" in text, text
+    assert "edp groups (one host each): [0] [1] [2] [3]" in text, text
     assert "ranks by host: node-a: [0, 1], node-b: [2, 3]" in text, text
 
 

@@ -415,6 +415,8 @@ def test_errors_name_the_cause() -> None:
         Precision(gather="int4")
     with pytest.raises(PlanError, match="no experts"):
         Plan(GPT_1P36B, H200, Mesh(gtp=2, ep=2))
+    with pytest.raises(PlanError, match="not run experts beside tensor parallelism"):
+        Plan(SEED280B, H200, Mesh(gtp=2, tp=2, ep=2))
     with pytest.raises(ClusterError, match="clusters: "):
         load_cluster("tpu")
     with pytest.raises(ValueError, match="heads"):

@@ -102,12 +102,13 @@ def write_metrics(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=2))
 
 
-def mesh_layout(mesh: DeviceMesh, hosts: list[str], shown: int = 8) -> str:
-    """Which ranks form each group of each mesh dim, and the host each rank runs on: what
-    tells whether gtp stays inside a node (the README's multi-node layout advice)."""
-    grid = mesh.mesh
+def mesh_layout(meshes: list[DeviceMesh], hosts: list[str], shown: int = 8) -> str:
+    """Which ranks form each group of each dim of `meshes` (the dense mesh, and the expert
+    mesh where there is one), and the host each rank runs on: what tells whether gtp and egtp
+    stay inside a node (the README's multi-node layout advice)."""
     lines = []
-    for i, name in enumerate(mesh.mesh_dim_names or ()):
+    for mesh, i in [(mesh, i) for mesh in meshes for i in range(mesh.ndim)]:
+        name, grid = (mesh.mesh_dim_names or ())[i], mesh.mesh
         groups = grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist()
         text = " ".join(str(g) for g in groups[:shown])
         more = f" ... ({len(groups)} groups)" if len(groups) > shown else ""

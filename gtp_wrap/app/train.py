@@ -278,7 +278,8 @@ def _progress_bar(show: bool, total: int, initial: int) -> Iterator[tqdm]:
 
 
 def _log_layout(model: torch.nn.Module, rank: int) -> None:
-    """Rank 0 logs the mesh the engine trains on, with every rank's host (a collective)."""
+    """Rank 0 logs the meshes the engine trains on (dense and expert), with every rank's host
+    (a collective)."""
     engine = engine_of(model)
     if engine.mesh.device_mesh is None:
         return
@@ -287,7 +288,8 @@ def _log_layout(model: torch.nn.Module, rank: int) -> None:
     )
     if rank == 0:
         hosts = [bytes(name).decode(errors="replace") for name in per_rank]
-        log.info("%s", report.mesh_layout(engine.mesh.device_mesh, hosts))
+        meshes = [engine.mesh.device_mesh, engine.mesh.expert_mesh]
+        log.info("%s", report.mesh_layout([m for m in meshes if m is not None], hosts))
 
 
 def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> None:

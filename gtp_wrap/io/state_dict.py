@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
-from ..runtime.engine import GTPEngine
+from ..runtime.engine import GTPEngine, engine_of, is_wrapped
 
 
 def dtensor_layout(
@@ -236,7 +236,14 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model as full, unsharded CPU tensors under the original FQNs.
 
     A collective: every rank must call it. Loads into the unwrapped model with load_state_dict.
+    A wrapped module's ranks first meet at a check (through the store): a rank that calls it
+    alone gets a CollectiveTimeoutError naming the ranks that did not, after the policy's
+    collective_timeout_s, rather than waiting in DTensor's all-gathers for ever.
     """
+    if is_wrapped(module):
+        engine_of(module).agreement.exchange(
+            "full_state_dict", [], "full_state_dict(model), which every rank must call"
+        )
     out = {}
     for key, value in module.state_dict().items():
         if isinstance(value, DTensor):

@@ -80,6 +80,11 @@ class Plan:
             raise PlanError(f"mesh ep={mesh.ep} but model {m.name!r} has no experts; drop ep")
         if m.heads % mesh.tp:
             raise PlanError(f"tp={mesh.tp} must divide the model's {m.heads} heads")
+        if m.experts and mesh.tp > 1:  # as GTPWrap refuses it (mesh.py: resolve_mesh)
+            raise PlanError(
+                f"mesh tp={mesh.tp} with model {m.name!r}, a mixture of experts: gtp_wrap does "
+                "not run experts beside tensor parallelism yet; drop tp (shard with gtp, ep, egtp)"
+            )
 
     @property
     def cfg(self) -> ModelConfig:
