@@ -107,7 +107,7 @@ def mesh_layout(meshes: list[DeviceMesh], hosts: list[str], shown: int = 8) -> s
     mesh where there is one), and the host each rank runs on: what tells whether gtp and egtp
     stay inside a node (the README's multi-node layout advice)."""
     lines = []
-    for mesh, i in [(mesh, i) for mesh in meshes for i in range(mesh.ndim)]:
+    for mesh, i in [(m, i) for m in meshes for i in range(m.ndim)]:
         name, grid = (mesh.mesh_dim_names or ())[i], mesh.mesh
         groups = grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist()
         text = " ".join(str(g) for g in groups[:shown])

@@ -131,6 +131,12 @@ class ExpertDispatch:
         self.inner = inner
         self.comm = comm
 
+    # Eager under torch.compile, experts and all: the exchange reads its sizes on the host and
+    # waits through the engine's watch, which Dynamo would break the graph at (warning of the
+    # watch's clock), and the experts then see a token count that changes with every routing,
+    # which it would guard on, compiling the block again and again. Disabled, the dispatch is
+    # one graph break, and the graphs of the first step serve every routing.
+    @torch.compiler.disable
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         size = self.comm.mesh.ep.size
         if counts.numel() % size:
