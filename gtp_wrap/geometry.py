@@ -141,12 +141,19 @@ def lay_out(
     """Lay the slots of weights (shape, shard dim, dtype, this rank's place in the group they
     are sharded over and its size) out back to back per dtype, each start aligned when asked;
     with a `block` (FP8 quantization) every slot starts and ends on a whole block. Returns the
-    geometries and each dtype's flat storage size (the last slot's end, on a whole block of
-    `_TAIL` elements)."""
+    geometries, in the order of `specs`, and each dtype's flat storage size (the last slot's
+    end, on a whole block of `_TAIL` elements).
+
+    Weights sharded over groups of more than one rank come first in each flat tensor, then
+    those of groups of one: what only the gathered weights need (FP8 slots quantized from the
+    flat) and what only the others need (a compute copy: see core/storage.py) each cover one
+    span of it."""
     ends: dict[torch.dtype, int] = {}
     sizes: dict[torch.dtype, int] = {}
-    geometries = []
-    for shape, dim, dtype, rank, world in specs:
+    placed: dict[int, ShardGeometry] = {}
+    order = sorted(range(len(specs)), key=lambda i: specs[i][4] == 1)
+    for i in order:
+        shape, dim, dtype, rank, world = specs[i]
         offset = ends.get(dtype, 0)
         if align:
             step = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
@@ -155,5 +162,5 @@ def lay_out(
         geometry = ShardGeometry(shape, dim, rank, world, dtype, offset)
         ends[dtype] = offset + -(-geometry.slot_numel // block) * block
         sizes[dtype] = offset + -(-geometry.slot_numel // _TAIL) * _TAIL
-        geometries.append(geometry)
-    return geometries, sizes
+        placed[i] = geometry
+    return [placed[i] for i in range(len(specs))], sizes

@@ -49,13 +49,8 @@ def _steps(rank: int, world: int, policy: dict, steps: int = 3) -> dict:
         if step == 0:
             gtp_wrap.reset_stats(model)
     s = gtp_wrap.stats(model)
-    storage = engine_of(model).casts.storage
     return {
-        "copy_bytes": sum(
-            t.numel() * t.element_size()
-            for dtype, t in storage.compute.items()
-            if t is not storage.params[dtype]
-        ),
+        "copy_bytes": engine_of(model).casts.storage.copy_bytes,
         "losses": losses,
         "out_dtypes": sorted(out_dtypes),
         "grad_dtypes": sorted(grad_dtypes),

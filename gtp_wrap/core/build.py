@@ -167,7 +167,8 @@ def build(
         align=policy.pad_for_alignment,
         block=fp8.BLOCK if precision.packed else 1,  # NVFP4's 16 divides it
     )
-    storage = FlatStorage(numels, device, precision.param_dtype if precision.keep_copy else None)
+    copied = [geo for geo in geometries if precision.keeps_copy(geo)]
+    storage = FlatStorage(numels, device, precision.param_dtype, copied)
     weights = [
         ShardedWeight(
             i,
@@ -180,15 +181,16 @@ def build(
         )
         for i, (plan, geo, axis) in enumerate(zip(sharded, geometries, axes))
     ]
+    slots = [storage.compute_slot(geo) for geo in geometries]
     encodings, packing = make_encodings(
-        precision, geometries, [w.fqn for w in weights], storage.compute, storage.params, device
+        precision, geometries, [w.fqn for w in weights], slots, storage.params, device
     )
     on_meta = any(p.param.is_meta for p in plans)
     if on_meta:  # its values come later, from its inits (core/meta_init.py)
         _allocate_replicated_and_buffers(root, plans, device)
     else:
         _sync_from_rank0(root, plans, comm, layouts, mesh)
-    for plan, w, encoding, ep in zip(sharded, weights, encodings, eps):
+    for plan, w, encoding, ep, slot in zip(sharded, weights, encodings, eps, slots):
         w.tp, w.ep = layouts.get(id(plan.param)), ep
         w.unit = plan.fqns[0].rpartition(".")[0] if plan.expert else None
         if w.tp is not None:  # a pass's metadata queries answer as the DTensor would
@@ -203,7 +205,7 @@ def build(
                 )
         _replace(plan, make_gtp_parameter(geo.local_view(flat), plan.param.requires_grad, w))
         w.encoding = encoding
-        w.local = geo.local_view(storage.compute[geo.dtype])
+        w.local = geo.local_of_slot(slot)
     replicated = [p for p in plans if p.shard_dim is None]
     cast_weights = []
     registered: list[nn.Parameter] = []

@@ -11,7 +11,9 @@ the gather: copy-engine collectives thus keep the casts off the compute stream, 
 path they lengthened by 2.6 ms per graphed 1.36B step). On 2xH200 (1.36B, batch 1-8) that moved
 step time only within run-to-run noise, while the copy (compute_copy, cast once per step) held
 1.27 GiB per GPU and put peak memory above FSDP2's. FP8 gathers read packed FP8 slots instead,
-and a group of one, which gathers nothing, keeps the copy its local uses read.
+and a weight sharded over a group of one, which gathers nothing, keeps the copy its local uses
+read: decided per weight, so expert stacks over egtp = 1 keep theirs while the dense weights
+beside them, over gtp > 1, cast on the way or gather packed slots.
 """
 
 from __future__ import annotations
@@ -33,21 +35,22 @@ class Precision:
 
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
-    # What gathers move instead of the compute dtype: "fp8" or "nvfp4" packed slots (never in
-    # a group of one, which gathers nothing), or None.
+    # What gathers move instead of the compute dtype: "fp8" or "nvfp4" packed slots (for the
+    # weights sharded over more than one rank: a group of one gathers nothing), or None.
     packed: str | None
     fp8_matmul: bool  # FP8 gathers, and F.linear uses of weights that fit run as FP8 GEMMs
-    keep_copy: bool  # a compute-dtype copy of the shards is kept (see [Note: no compute copy])
+    compute_copy: bool  # every weight keeps a compute-dtype copy (see [Note: no compute copy])
 
     @classmethod
-    def resolve(cls, policy: GTPPolicy, gtp_size: int, device: torch.device) -> Precision:
+    def resolve(cls, policy: GTPPolicy, gathers: bool, device: torch.device) -> Precision:
+        """`gathers`: whether any weight is sharded over more than one rank."""
         if policy.gather_dtype is not None:
             try:
                 fp8.fp8_dtype()
             except TypeError as e:
                 raise PolicyError(str(e)) from e
         packed = None
-        if policy.gather_dtype is not None and gtp_size > 1:
+        if policy.gather_dtype is not None and gathers:
             packed = "nvfp4" if policy.gather_dtype == "nvfp4" else "fp8"
         fp8_matmul = packed == "fp8" and policy.fp8_matmul
         if fp8_matmul:
@@ -57,8 +60,18 @@ class Precision:
             reduce_dtype=policy_dtype(policy.reduce_dtype),
             packed=packed,
             fp8_matmul=fp8_matmul,
-            keep_copy=packed is None and (policy.compute_copy or gtp_size == 1),
+            compute_copy=policy.compute_copy,
         )
+
+    def packs(self, geo: ShardGeometry) -> bool:
+        """Whether the gathers of this weight move its packed slot (FP8 or NVFP4)."""
+        return self.packed is not None and geo.world > 1
+
+    def keeps_copy(self, geo: ShardGeometry) -> bool:
+        """Whether this weight keeps a copy of its shard in the compute dtype: with
+        `compute_copy`, or sharded over a group of one (which has no gather to cast it on the
+        way), unless its gathers are packed (see [Note: no compute copy])."""
+        return not self.packs(geo) and (self.compute_copy or geo.world == 1)
 
     @property
     def own_linear(self) -> bool:
@@ -251,8 +264,9 @@ class FP8Packing:
                 continue
             with torch.no_grad():
                 payloads, scales, ranges = self._blocks[dtype]
-                if payloads:
-                    payload, scale = fp8.quantize(flat.view(-1, fp8.BLOCK))
+                if payloads:  # the gathered weights' span only (lay_out puts them first)
+                    end = max(b for _, b in ranges) * fp8.BLOCK
+                    payload, scale = fp8.quantize(flat[:end].view(-1, fp8.BLOCK))
                     torch._foreach_copy_(
                         payloads + scales,
                         [payload[a:b].reshape(-1) for a, b in ranges]
@@ -274,31 +288,35 @@ def make_encodings(
     precision: Precision,
     geometries: list[ShardGeometry],
     names: list[str],
-    compute: dict[torch.dtype, torch.Tensor],
+    slots: list[torch.Tensor],
     params: dict[torch.dtype, torch.Tensor],
     device: torch.device,
 ) -> tuple[list[Encoding], Packing | None]:
-    """Each weight's encoding, and the packing they send from (FP8 and NVFP4 gathers only)."""
-    if precision.packed == "nvfp4":
-        nvfp4_packing = NVFP4Packing(geometries, params)
-        nvfp4_encodings: list[Encoding] = [
-            NVFP4Encoding(slot, nvfp4_triton.available(device, geo.slot_numel))
-            for geo, slot in zip(geometries, nvfp4_packing.slots)
-        ]
-        return nvfp4_encodings, nvfp4_packing
-    if precision.packed is None:
-        encodings: list[Encoding] = []
-        for geo in geometries:
-            slot = geo.slot(compute[geo.dtype])
-            cast = precision.param_dtype is not None and not precision.keep_copy
-            encodings.append(PlainEncoding(slot, precision.param_dtype if cast else slot.dtype))  # type: ignore[arg-type]
-        return encodings, None
-    by_row = [precision.fp8_matmul and fp8.fits_gemm(geo) for geo in geometries]
-    if precision.fp8_matmul:
-        fp8.warn_unfit(names, geometries, by_row)
-    packing = FP8Packing(geometries, by_row, params)
-    fp8_encodings: list[Encoding] = [
-        FP8Encoding(slot, block, fp8_triton.available(device, geo.slot_numel), row)
-        for geo, slot, block, row in zip(geometries, packing.slots, packing.blocks, by_row)
+    """Each weight's encoding, and the packing the packed ones send from (FP8 and NVFP4
+    gathers only). `slots`: each weight's compute slot (core/storage.py), which a plain
+    encoding sends."""
+    packed = [i for i, geo in enumerate(geometries) if precision.packs(geo)]
+    geos = [geometries[i] for i in packed]
+    packing: Packing | None = None
+    encodings: dict[int, Encoding] = {}
+    if precision.packed == "nvfp4" and packed:
+        packing = NVFP4Packing(geos, params)
+        for i, geo, slot in zip(packed, geos, packing.slots):
+            encodings[i] = NVFP4Encoding(slot, nvfp4_triton.available(device, geo.slot_numel))
+    elif packed:
+        by_row = [precision.fp8_matmul and fp8.fits_gemm(geo) for geo in geos]
+        if precision.fp8_matmul:
+            fp8.warn_unfit([names[i] for i in packed], geos, by_row)
+        fp8_packing = FP8Packing(geos, by_row, params)
+        for i, geo, slot, block, row in zip(
+            packed, geos, fp8_packing.slots, fp8_packing.blocks, by_row
+        ):
+            encodings[i] = FP8Encoding(
+                slot, block, fp8_triton.available(device, geo.slot_numel), row
+            )
+        packing = fp8_packing
+    plain = [
+        PlainEncoding(slot, precision.compute_dtype(geo.dtype))
+        for geo, slot in zip(geometries, slots)
     ]
-    return fp8_encodings, packing
+    return [encodings.get(i, enc) for i, enc in enumerate(plain)], packing

@@ -139,14 +139,8 @@ class GTPEngine:
                 "collectives: copy_engine moves gathers over the gtp group only, and the policy "
                 "shards expert stacks over egtp; use collectives: process_group with experts"
             )
-        if policy.gather_dtype is not None and len(groups) > 1 and min(groups) == 1:
-            raise WrapError(
-                f"gather_dtype: {policy.gather_dtype} with weights sharded over groups of "
-                f"{sorted(groups)} ranks: a group of one gathers nothing, so FP8 gathers would "
-                "be off for every weight; give the dense and expert groups more than one rank "
-                "each, or leave gather_dtype unset"
-            )
-        self.precision = Precision.resolve(policy, min(groups, default=mesh.gtp.size), device)
+        gathers = max(groups, default=1) > 1  # whether any weight is gathered at all
+        self.precision = Precision.resolve(policy, gathers, device)
         self.reduce_dtype = self.precision.reduce_dtype
         average = policy.loss_reduction == "mean"
         self.comm = Comm(mesh, timeout, average, step=lambda: self.step, watch=self.watch)
@@ -158,9 +152,8 @@ class GTPEngine:
         self.weights = built.weights
         self.decisions = built.decisions  # for gtp_wrap.describe
         self.passes = Passes(
-            self.weights, self.agreement, policy.group_numel, max(groups, default=1) > 1,
-            lambda: self.step,
-        )  # fmt: skip
+            self.weights, self.agreement, policy.group_numel, gathers, lambda: self.step
+        )
         shared = Shared(
             self.weights, self.comm, self.passes, self.stats, self.ensure_backward, device
         )
