@@ -176,7 +176,8 @@ def no_sync(module: nn.Module) -> Iterator[None]:
 def stats(module: nn.Module) -> dict[str, Any]:
     """Gather and reduce counters since the last `reset_stats`: gathers, prefetched_gathers,
     blocking_gathers (and per pass kind), bytes_gathered, bytes_reduced, peak_gathered_bytes,
-    weight_casts (re-casts of a kept compute copy or FP8 re-quantizations: once per step),
+    weight_casts (re-casts of a kept compute copy and FP8 re-quantizations, each once per
+    step and flat dtype),
     fp8_matmuls (FP8 GEMMs), expert_gathers and prefetched_expert_gathers (the gathers of
     expert stacks over egtp, and how many of them were issued ahead of their use),
     workspace_bytes: the copy-engine workspaces' memory

@@ -164,8 +164,9 @@ def make_mesh(
 ) -> tuple[DeviceMesh, DeviceMesh]:
     """`(mesh, expert_mesh)` over the whole world. `mesh` is `dense_mesh(dp, gtp, tp,
     device_type, layout)`. `expert_mesh` factors the same world for expert weights as ("edp",
-    "ep", "egtp"), edp being what ep x egtp leave: GTPWrap's `expert_mesh`. `device_type`:
-    "cuda" where a GPU is present, else "cpu", by default."""
+    "ep", "egtp"), edp being what ep x egtp leave, row-major whatever `layout` (egtp groups
+    runs of consecutive ranks): GTPWrap's `expert_mesh`. `device_type`: "cuda" where a GPU is
+    present, else "cpu", by default."""
     if ep < 1 or egtp < 1:
         raise WrapError(f"make_mesh(ep={ep}, egtp={egtp}): give each as a whole number >= 1")
     mesh = dense_mesh(dp, gtp, tp, device_type, layout)
@@ -195,14 +196,17 @@ def dense_mesh(
 
     - "gtp_inner": each gtp group a run of consecutive ranks (`init_device_mesh`'s row-major
       order); dp crosses the runs. Gathers stay on a node's links.
-    - "gtp_outer": each dp group a run of consecutive ranks and the gtp groups strided across
-      the runs, for weights sharded over more GPUs than a node has.
+    - "gtp_outer": the dp groups inside the runs (each dp x tp block a run of consecutive
+      ranks) and the gtp groups strided across them, for weights sharded over more GPUs than
+      a node has.
 
     The README's "Which mesh axis on which link" says which to use and why."""
     if not dist.is_initialized():
-        raise WrapError("make_mesh needs torch.distributed: call dist.init_process_group() first")
+        raise WrapError(
+            "make_mesh and dense_mesh need torch.distributed: call dist.init_process_group() first"
+        )
     world = dist.get_world_size()
-    call = f"a mesh of dp={dp}, gtp={gtp}, tp={tp}"
+    call = f"the dense mesh dp={dp}, gtp={gtp}, tp={tp}"
     if layout not in MESH_LAYOUTS:
         raise WrapError(f"{call}: layout={layout!r} is not one of {', '.join(MESH_LAYOUTS)}")
     sizes = {DP: dp, GTP: gtp, TP: tp}
@@ -222,9 +226,12 @@ def dense_mesh(
         )
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ranks = torch.arange(world).view(sizes[DP], sizes[GTP], sizes[TP])
+    # On the CPU whatever the default device, as init_device_mesh makes it (a model built
+    # under torch.device("meta") is where a mesh is often made).
+    everyone = torch.arange(world, device="cpu")
+    ranks = everyone.view(sizes[DP], sizes[GTP], sizes[TP])
     if layout == "gtp_outer":
-        ranks = torch.arange(world).view(sizes[GTP], sizes[DP], sizes[TP]).transpose(0, 1)
+        ranks = everyone.view(sizes[GTP], sizes[DP], sizes[TP]).transpose(0, 1)
     kept = [i for i, name in enumerate(MESH_DIMS) if name == GTP or sizes[name] > 1]
     ranks = ranks.reshape([sizes[MESH_DIMS[i]] for i in kept])
     names = tuple(MESH_DIMS[i] for i in kept)

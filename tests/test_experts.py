@@ -198,6 +198,12 @@ def test_checkpoints_reshard_between_expert_shapes() -> None:
         assert r["stepped"] < 1e-6  # the optimizer state came along
 
 
+def _meshes_under_meta() -> str:
+    """Both meshes, made where a model to wrap on the meta device is built."""
+    with torch.device("meta"):
+        return caught(lambda: gtp_wrap.make_mesh(gtp=2, ep=2, layout="gtp_outer"))
+
+
 def _refused(rank: int, world: int) -> dict:
     mesh, expert_mesh = gtp_wrap.make_mesh(gtp=2, ep=2)
     three = dataclasses.replace(CFG, experts=6)
@@ -209,6 +215,7 @@ def _refused(rank: int, world: int) -> dict:
         "too_big": caught(lambda: gtp_wrap.make_mesh(gtp=2, ep=4)),
         "not_dividing": caught(lambda: gtp_wrap.make_mesh(gtp=2, ep=1, egtp=3)),
         "layout": caught(lambda: gtp_wrap.make_mesh(gtp=2, layout="diagonal")),
+        "under_meta": _meshes_under_meta(),
         "names": caught(lambda: GTPWrap(GPT(CFG), POLICY, mesh=mesh, expert_mesh=mesh)),
         "no_module": caught(lambda: GTPWrap(GPT(CFG), no_ep_module, mesh=mesh,
                                             expert_mesh=expert_mesh)),
@@ -229,6 +236,7 @@ def test_bad_expert_meshes_are_refused_at_wrap() -> None:
     for refused in (r["too_big"], r["not_dividing"]):
         assert refused.startswith("WrapError") and "ep x egtp must divide the world of 2" in refused
     assert "layout='diagonal' is not one of gtp_inner, gtp_outer" in r["layout"]
+    assert r["under_meta"] == "no error"
     assert "dims named from ('edp', 'ep', 'egtp')" in r["names"]
     assert "not among the policy's expert_parallel ['Attention']" in r["no_module"]
     assert "no module matches the policy's expert_parallel []" in r["none"]
@@ -413,21 +421,27 @@ def test_a_compiled_expert_parallel_moe_compiles_once_whatever_the_routing() -> 
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 
 
-def _precisions_beside_local_experts(rank: int, world: int) -> dict:
-    """3 AdamW steps at ep 2 and egtp 1 (each expert stack on one rank, gathering nothing)
-    beside dense weights over gtp 2, per precision policy: the losses, the bytes gathered (of
-    the dense weights only), the memory of the compute copies and the expert stacks' local
-    shard bytes in bf16."""
+def _precisions_beside_local_weights(rank: int, world: int, layout: str) -> dict:
+    """3 AdamW steps, per precision policy, where one kind of weight is sharded over a group of
+    one and gathers nothing: the expert stacks ("local_experts": ep 2, egtp 1, beside dense
+    weights over gtp 2) or the dense weights ("local_dense": dp 2, gtp 1, beside expert stacks
+    over egtp 2). The losses, the bytes gathered, the memory of the compute copies, the local
+    weights' shard bytes in bf16, whether each local weight's copy is its shard in bf16 after
+    the steps, and the warnings of the wrap."""
+    dense, ep, egtp = {"local_experts": ((1, 2), 2, 1), "local_dense": ((2, 1), 1, 2)}[layout]
     out = {}
     for name, extra in {
         "bf16": BF16,
         "bf16_copy": BF16 | {"compute_copy": True},
         "fp8": BF16 | {"gather_dtype": "fp8"},
+        "fp8_gemm": BF16 | {"gather_dtype": "fp8", "fp8_matmul": True},
         "nvfp4": BF16 | {"gather_dtype": "nvfp4"},
     }.items():
-        mesh, expert_mesh = gtp_wrap.make_mesh(gtp=2, ep=2)
+        mesh, expert_mesh = gtp_wrap.make_mesh(dp=dense[0], gtp=dense[1], ep=ep, egtp=egtp)
         torch.manual_seed(0)
-        model = GTPWrap(GPT(CFG), POLICY | extra, mesh=mesh, expert_mesh=expert_mesh)
+        with warnings.catch_warnings(record=True) as wrap_warnings:
+            warnings.simplefilter("always")
+            model = GTPWrap(GPT(CFG), POLICY | extra, mesh=mesh, expert_mesh=expert_mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for step in range(3):
@@ -438,30 +452,43 @@ def _precisions_beside_local_experts(rank: int, world: int) -> dict:
             opt.zero_grad()
             losses.append(loss.item())
         engine = engine_of(model)
-        experts = [w for w in engine.weights if w.axis.size == 1]
+        engine.casts.refresh()  # as the next pass would begin
+        local = [w for w in engine.weights if w.axis.size == 1]
+        with torch._C.DisableTorchFunctionSubclass():
+            fresh = all(torch.equal(w.local, w.param.to(torch.bfloat16)) for w in local)
         out[name] = {
             "losses": losses,
             "gathered": gtp_wrap.stats(model)["bytes_gathered"],
+            "fp8_matmuls": gtp_wrap.stats(model)["fp8_matmuls"],
             "copy_bytes": engine.casts.storage.copy_bytes,
-            "expert_bf16_bytes": sum(2 * w.geometry.slot_numel for w in experts),
+            "local_bf16_bytes": sum(2 * w.geometry.slot_numel for w in local),
+            "fresh": fresh,
+            "warnings": [str(w.message) for w in wrap_warnings],
         }
     return out
 
 
-def test_gathers_and_copies_are_chosen_per_weight_beside_experts_over_a_group_of_one() -> None:
+@pytest.mark.parametrize("layout", ["local_experts", "local_dense"])
+def test_gathers_and_copies_are_chosen_per_weight_beside_a_group_of_one(layout: str) -> None:
     """Expert stacks over egtp = 1 gather nothing; the dense weights beside them over gtp = 2
-    do. Precision was chosen for the engine from its smallest group: fp8 and nvfp4 gathers
-    were refused, and bf16 kept a compute copy of the dense shards too (found by a new user).
-    Now only the expert stacks keep a copy, and the dense weights gather packed slots."""
-    for r in run_ranks(_precisions_beside_local_experts, 2):
+    do (and the other way round). Precision was chosen for the engine from its smallest group:
+    fp8 and nvfp4 gathers were refused, and bf16 kept a compute copy of every shard (found by
+    a new user). Now only the weights over a group of one keep a copy, current after every
+    step, and the others gather packed slots."""
+    for r in run_ranks(_precisions_beside_local_weights, 2, layout):
         bf16, kept = r["bf16"], r["bf16_copy"]
         assert bf16["losses"] == kept["losses"]  # the same bf16 values, cast on the way
-        tail = bf16["copy_bytes"] - bf16["expert_bf16_bytes"]  # the flat's end, on 128 elements
-        assert bf16["expert_bf16_bytes"] > 0 and 0 <= tail < 2 * 128
-        assert kept["copy_bytes"] > bf16["copy_bytes"]  # the dense shards' copy too
+        tail = bf16["copy_bytes"] - bf16["local_bf16_bytes"]  # the flat's end, on 128 elements
+        assert bf16["local_bf16_bytes"] > 0 and 0 <= tail < 2 * 128
+        assert kept["copy_bytes"] > bf16["copy_bytes"]  # the gathered shards' copy too
         assert bf16["gathered"] == kept["gathered"]
         for packed, ratio in (("fp8", 1.031 / 2), ("nvfp4", 0.5628 / 2)):
             got = r[packed]
             assert got["gathered"] == pytest.approx(ratio * bf16["gathered"], rel=0.03), packed
-            assert got["copy_bytes"] == bf16["copy_bytes"]  # the expert stacks' copy only
+            assert got["copy_bytes"] == bf16["copy_bytes"]  # the local weights' copy only
             assert got["losses"] == pytest.approx(bf16["losses"], rel=2e-2), packed
+        assert all(case["fresh"] for case in r.values())
+        local_linears = "keep bf16 GEMMs, because they are sharded over a group of one rank"
+        warned = any(local_linears in w for w in r["fp8_gemm"]["warnings"])
+        assert warned == (layout == "local_dense"), r["fp8_gemm"]["warnings"]
+        assert (r["fp8_gemm"]["fp8_matmuls"] > 0) == (layout == "local_experts")

@@ -175,14 +175,17 @@ class GTPPolicy:
             casts this rank's shard straight into its part of the gather buffer, as FSDP2 does, so
             no copy is held. True: keep a param_dtype copy of the shards, cast once per step, which
             holds 1/N of the model in param_dtype more memory for one cast per step instead of one
-            per gather (see [Note: no compute copy] in precision/encoding.py).
+            per gather (see [Note: no compute copy] in precision/encoding.py). A weight sharded
+            over a group of one, which gathers nothing, keeps its copy either way; a weight
+            gathered in fp8 or nvfp4 keeps none.
         reduce_dtype: the dtype weight gradients are reduce-scattered in ("float32"); None
             uses param_dtype's gradients as they come.
         gather_dtype: "fp8" to gather float8_e4m3fn shards with a scale per 128-element block
             (quantized once per step, dequantized to param_dtype for the GEMM; 1.03 bytes per
             element); "nvfp4" to gather 4-bit E2M1 values with an E4M3 scale per 16 elements
             and an fp32 scale per shard (0.56 bytes per element, for slow links; always
-            dequantized, see precision/nvfp4.py); None gathers in param_dtype.
+            dequantized, see precision/nvfp4.py); None gathers in param_dtype. Weights sharded
+            over a group of one gather nothing and read their param_dtype copy.
         fp8_matmul: with gather_dtype "fp8", run the forward GEMM of each Linear in FP8
             (torch._scaled_mm, on GPUs with FP8 tensor cores and on CPUs): weights are then
             quantized with one scale per row and fed to the GEMM without dequantization, and

@@ -14,10 +14,11 @@ since the compute copy (or the FP8 slots, precision/encoding.py) was made: when 
 once per step, not per use.
 
 [Note: a copy of a span] Which weights keep a compute copy is decided per weight
-(precision/encoding.py: `Precision.keeps_copy`): all of them with `compute_copy`, else those
-sharded over a group of one, which gather nothing to cast on the way (an expert mesh with
-egtp = 1 beside dense weights over gtp > 1). `lay_out` puts those last in each flat tensor, so
-the copy is of one span, from the first of them to the end, cast by one copy.
+(precision/encoding.py: `Precision.keeps_copy`): with `compute_copy` all but those gathered in
+FP8 or NVFP4, else those sharded over a group of one, which gather nothing to cast on the way
+(an expert mesh with egtp = 1 beside dense weights over gtp > 1). `lay_out` puts the weights
+of groups of one last in each flat tensor, so the copy is of one span, from the first copied
+weight to the end, cast by one copy.
 """
 
 from __future__ import annotations

@@ -240,10 +240,9 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     alone gets a CollectiveTimeoutError naming the ranks that did not, after the policy's
     collective_timeout_s, rather than waiting in DTensor's all-gathers for ever.
     """
-    if is_wrapped(module):
-        engine_of(module).agreement.exchange(
-            "full_state_dict", [], "full_state_dict(model), which every rank must call"
-        )
+    engine = _engine_under(module)
+    if engine is not None:
+        _meet_for_full_state_dict(engine)
     out = {}
     for key, value in module.state_dict().items():
         if isinstance(value, DTensor):
@@ -251,6 +250,34 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         with torch._C.DisableTorchFunctionSubclass():
             out[key] = value.detach().to("cpu", copy=True)
     return out
+
+
+def _engine_under(module: nn.Module) -> GTPEngine | None:
+    """The engine of a wrapped module, or of the sharded weights inside a submodule of one."""
+    if is_wrapped(module):
+        return engine_of(module)
+    for param in module.parameters():
+        weight = getattr(param, "gtp_weight", None)
+        if weight is not None:
+            return cast(GTPEngine, weight.runtime)
+    return None
+
+
+def _meet_for_full_state_dict(engine: GTPEngine) -> None:
+    """Every rank at the check before the gathers, none with a failure behind it: DTensor's
+    gathers are not watched, so a rank that went in alone would wait in them for ever."""
+    failure = engine.watch.failure
+    if failure is not None:
+        raise WrapError(
+            f"full_state_dict after this rank's {failure['error']} ({failure['where']}): the "
+            "ranks are no longer at the same checks; restart from the last checkpoint"
+        )
+    engine.agreement.exchange(
+        "full_state_dict", [], "full_state_dict(model), which every rank must call"
+    )
+    peer = engine.watch.peer_failure()  # a peer that failed, its check key left behind
+    if peer is not None:
+        raise peer
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

@@ -39,7 +39,8 @@ class Precision:
     # weights sharded over more than one rank: a group of one gathers nothing), or None.
     packed: str | None
     fp8_matmul: bool  # FP8 gathers, and F.linear uses of weights that fit run as FP8 GEMMs
-    compute_copy: bool  # every weight keeps a compute-dtype copy (see [Note: no compute copy])
+    # Every weight not gathered packed keeps a compute-dtype copy (see [Note: no compute copy]).
+    compute_copy: bool
 
     @classmethod
     def resolve(cls, policy: GTPPolicy, gathers: bool, device: torch.device) -> Precision:
@@ -307,6 +308,7 @@ def make_encodings(
         by_row = [precision.fp8_matmul and fp8.fits_gemm(geo) for geo in geos]
         if precision.fp8_matmul:
             fp8.warn_unfit([names[i] for i in packed], geos, by_row)
+            fp8.warn_local(names, geometries)
         fp8_packing = FP8Packing(geos, by_row, params)
         for i, geo, slot, block, row in zip(
             packed, geos, fp8_packing.slots, fp8_packing.blocks, by_row

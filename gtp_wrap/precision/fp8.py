@@ -157,6 +157,20 @@ def warn_unfit(names: list[str], layouts: list[ShardGeometry], fits: list[bool])
         )
 
 
+def warn_local(names: list[str], layouts: list[ShardGeometry]) -> None:
+    """Name the 2-D weights that keep bf16 GEMMs under fp8_matmul because they are sharded
+    over a group of one: they gather nothing, so there is no FP8 weight to feed the GEMM."""
+    local = [(n, g) for n, g in zip(names, layouts) if g.world == 1 and len(g.shape) == 2]
+    if local:
+        listed = ", ".join(f"{name} {tuple(g.shape)}" for name, g in local[:4])
+        warnings.warn(
+            f"fp8_matmul: {len(local)} weight(s) keep bf16 GEMMs, because they are sharded over "
+            f"a group of one rank, which gathers nothing (no FP8 weight to feed the GEMM): "
+            f"{listed}" + (", ..." if len(local) > 4 else ""),
+            stacklevel=6,  # the GTPWrap call: fp8, encoding, build, engine, api
+        )
+
+
 def check_gemm_device(device: torch.device) -> None:
     """FP8 GEMMs run on CPUs and on GPUs with FP8 tensor cores (compute capability 8.9+)."""
     if not hasattr(torch, "_scaled_mm"):
