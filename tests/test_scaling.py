@@ -21,7 +21,14 @@ from gtp_wrap.scaling.collectives import KINDS, collective_s
 from gtp_wrap.scaling.mesh import Group, MeshError
 from gtp_wrap.scaling.model import GPT_1P36B, LLAMA70B, SEED280B, ModelConfig, model_by_name
 from gtp_wrap.scaling.precision import PrecisionError
-from gtp_wrap.scaling.predict import PlanError, block_stages, cut_groups, uses
+from gtp_wrap.scaling.predict import (
+    PlanError,
+    block_stages,
+    cut_groups,
+    engine_s,
+    step_engine_s,
+    uses,
+)
 from gtp_wrap.scaling.validate import TARGET, check, predicted_ms
 
 H200 = load_cluster("h200")
@@ -256,6 +263,22 @@ def test_collectives_grow_with_bytes_and_shrink_with_bandwidth() -> None:
     assert times == sorted(times)
     slow = H200.with_inter_gbs(10)
     assert collective_s(slow, "reduce_scatter", 1e8, group) > times[-1]
+
+
+def test_expert_stacks_over_a_group_of_one_are_copied_once_per_step_not_cast_per_use() -> None:
+    """As the engine decides per weight (core/storage.py): at egtp = 1 the expert stacks keep
+    a bf16 copy (memory, a cast per step) and their uses cast nothing, while the dense weights
+    beside them over gtp > 1 cast into their gathers; at egtp = 2 nothing keeps a copy."""
+    local = Plan(SEED280B, H200, Mesh(dp=2, gtp=64, ep=64, egtp=1))
+    spread = dataclasses.replace(local, mesh=Mesh(dp=2, gtp=64, ep=64, egtp=2))
+    experts = sum(w.numel for w in SEED280B.weights() if w.kind == "expert") / 64
+    assert predict(local).memory.copies == pytest.approx(experts * 2)
+    assert predict(spread).memory.copies == 0.0
+    assert step_engine_s(local) > 0.0 == step_engine_s(spread)
+    stack = next(u for u in uses(local, "gtp", backward=False) if u.weight.kind == "expert")
+    dense = next(u for u in uses(local, "gtp", backward=False) if u.weight.kind == "dense")
+    assert engine_s(local, stack.weight, stack.numel, False) == 0.0
+    assert engine_s(local, dense.weight, dense.numel, False) > 0.0
 
 
 def test_shards_grads_and_optimizer_state_scale_one_over_n() -> None:

@@ -34,17 +34,20 @@ class Memory:
     gathered: float
     activations: float
     logits: float
+    copies: float = 0.0  # compute-dtype copies of the shards of groups of one
 
     @property
     def peak(self) -> float:
-        forward = self.weights + self.optimizer + self.gathered + self.activations + self.logits
-        step = 2 * self.weights + self.grads + self.optimizer  # + fused AdamW's temporary
+        held = self.weights + self.copies + self.optimizer
+        forward = held + self.gathered + self.activations + self.logits
+        step = held + self.weights + self.grads  # + fused AdamW's temporary
         return max(forward, step)
 
     def rows(self) -> list[tuple[str, float]]:
         """(what, GiB) for tables."""
         return [
             ("weights (shards)", self.weights / GIB),
+            *([("compute copies", self.copies / GIB)] if self.copies else []),
             ("gradients", self.grads / GIB),
             ("optimizer state", self.optimizer / GIB),
             ("gathered buffers", self.gathered / GIB),
@@ -54,12 +57,26 @@ class Memory:
         ]
 
 
+def sharded_numels(model: ModelConfig, mesh: Mesh) -> dict[int, float]:
+    """Elements of sharded weights this GPU keeps, by the size of the group they are sharded
+    over: dense weights over gtp (their tp part), expert stacks over egtp (their ep part)."""
+    dense = sum(w.numel for w in model.weights() if w.kind != "expert")
+    expert = sum(w.numel for w in model.weights() if w.kind == "expert")
+    out = {mesh.gtp: dense / (mesh.gtp * mesh.tp)}
+    out[mesh.egtp] = out.get(mesh.egtp, 0.0) + expert / (mesh.ep * mesh.egtp)
+    return out
+
+
 def local_numel(model: ModelConfig, mesh: Mesh) -> float:
     """Parameter elements this GPU keeps: dense weights over gtp x tp, expert stacks over
     ep x egtp, small parameters replicated."""
-    dense = sum(w.numel for w in model.weights() if w.kind != "expert")
-    expert = sum(w.numel for w in model.weights() if w.kind == "expert")
-    return dense / (mesh.gtp * mesh.tp) + expert / (mesh.ep * mesh.egtp) + model.replicated_numel
+    return sum(sharded_numels(model, mesh).values()) + model.replicated_numel
+
+
+def copied_numel(model: ModelConfig, mesh: Mesh) -> float:
+    """Elements of the weights sharded over a group of one, which gather nothing and keep a
+    compute-dtype copy of their shard (gtp_wrap/core/storage.py)."""
+    return sharded_numels(model, mesh).get(1, 0.0)
 
 
 def activation_bytes_per_token(model: ModelConfig, tp: int) -> float:
@@ -100,6 +117,9 @@ def memory(
         grads=shard * precision.grad,
         optimizer=shard * precision.optimizer,
         gathered=gathered if mesh.gtp * mesh.egtp > 1 else 0.0,
+        copies=copied_numel(model, mesh) * precision.compute_bytes
+        if precision.compute_bytes < precision.master
+        else 0.0,
         activations=tokens
         * (
             model.layers * model.d * 2.0 / mesh.tp

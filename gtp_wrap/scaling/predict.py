@@ -28,7 +28,7 @@ from typing import Literal
 from .chain import Lanes, Stage, Timeline, simulate
 from .cluster import Cluster
 from .collectives import collective_s
-from .memory import Memory, local_numel, memory
+from .memory import Memory, local_numel, memory, sharded_numels
 from .mesh import Mesh
 from .model import ModelConfig, Weight
 from .precision import Precision
@@ -261,7 +261,6 @@ def uses(plan: Plan, method: Method, backward: bool, comm: bool = True) -> list[
     the experts' all-to-alls, for the no-communication floor)."""
     cfg, cl, mesh = plan.cfg, plan.cluster, plan.mesh
     m = plan.tokens
-    sharded = mesh.gtp * mesh.egtp > 1
     blocks = method == "gtp_blocks"
     if blocks and cl.host.block_us is None:
         raise PlanError(
@@ -272,6 +271,7 @@ def uses(plan: Plan, method: Method, backward: bool, comm: bool = True) -> list[
     out = []
     for w, gathered in pass_order(cfg, backward, blocks):
         full = local_full_numel(w, mesh)
+        sharded = (mesh.egtp if w.kind == "expert" else mesh.gtp) > 1  # gathered per use
         compute = weight_gemms_s(plan, w, backward)
         host = 0.0
         again = backward and plan.recompute and w.layer >= 0  # the block's forward, recomputed
@@ -290,14 +290,14 @@ def uses(plan: Plan, method: Method, backward: bool, comm: bool = True) -> list[
         inline *= 2 if again else 1
         in_block = blocks and w.layer >= 0
         if in_block:
-            compute += engine_s(plan, w, full, backward, sharded, autograd_grad=True)
+            compute += engine_s(plan, w, full, backward, autograd_grad=True)
             # A block's weights are gathered (and their collectives launched) without an
             # intercepted use each; the block's call costs `block_us` a step.
             host += (cl.host.use_us - cl.host.use_us_local) * 1e-6 if sharded else 0.0
             if w.name.endswith(".o"):
                 host += block_us * 1e-6 / 2
         elif method in ("gtp", "gtp_blocks"):
-            compute += engine_s(plan, w, full, backward, sharded) if gathered else 0.0
+            compute += engine_s(plan, w, full, backward) if gathered else 0.0
             host += (cl.host.use_us if sharded else cl.host.use_us_local) * 1e-6
         out.append(Use(w, full, gathered, compute, host, inline))
     return out
@@ -308,23 +308,23 @@ def engine_s(
     w: Weight,
     full: float,
     backward: bool,
-    sharded: bool,
     autograd_grad: bool = False,
 ) -> float:
     """The engine's work per use beside the GEMMs: the cast of this rank's shard into the
-    gather buffer (sharded groups; a group of one casts once per step, see `step_engine_s`),
-    the decode of an encoded gather, and in backward the fp32 weight gradient's extra bytes:
-    the engine's linear writes it in fp32 (2 bytes more per element than bf16); autograd's
-    (`autograd_grad`, inside a block) writes it in bf16, cast to fp32 after (read 2, write 4)."""
+    gather buffer, or the decode of an encoded gather (a weight sharded over a group of one
+    gathers nothing: its copy is cast once per step, see `step_engine_s`), and in backward
+    the fp32 weight gradient's extra bytes: the engine's linear writes it in fp32 (2 bytes
+    more per element than bf16); autograd's (`autograd_grad`, inside a block) writes it in
+    bf16, cast to fp32 after (read 2, write 4)."""
     prec, cl = plan.precision, plan.cluster
     group = plan.mesh.egtp if w.kind == "expert" else plan.mesh.gtp
     nbytes = 0.0
-    if sharded and not prec.encoded:
+    if group > 1 and not prec.encoded:
         nbytes += full / group * prec.cast_bytes_per_shard_element()
     if backward and prec.reduce_bytes > prec.compute_bytes:
         extra = prec.reduce_bytes + (prec.compute_bytes if autograd_grad else -prec.compute_bytes)
         nbytes += full * extra
-    decode = cl.compute.decode_s(prec.gather, full) if prec.encoded else 0.0
+    decode = cl.compute.decode_s(prec.gather, full) if prec.encoded and group > 1 else 0.0
     return hbm_s(cl, nbytes) + decode
 
 
@@ -452,13 +452,16 @@ def block_stages(plan: Plan, groups: list[list[Use]], gathers: bool, reduces: bo
 
 
 def step_engine_s(plan: Plan) -> float:
-    """The engine's once-per-step work: a group of one's compute copy, or the encode of the
-    shards for encoded gathers."""
+    """The engine's once-per-step work: the compute copies of the weights sharded over a group
+    of one, and the encode of the others' shards for encoded gathers (with the replicated
+    parameters' casts, where any of that runs)."""
     prec, mesh = plan.precision, plan.mesh
-    if mesh.gtp * mesh.egtp == 1 or prec.encoded:
-        shard = local_numel(plan.cfg, mesh)
-        return hbm_s(plan.cluster, shard * prec.cast_bytes_per_shard_element())
-    return 0.0
+    numel = sum(
+        n for group, n in sharded_numels(plan.cfg, mesh).items() if group == 1 or prec.encoded
+    )
+    if numel:
+        numel += plan.cfg.replicated_numel
+    return hbm_s(plan.cluster, numel * prec.cast_bytes_per_shard_element())
 
 
 def optimizer_s(plan: Plan, method: str) -> float:
