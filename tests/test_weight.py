@@ -12,6 +12,7 @@ from torch import nn
 from gtp_wrap import GTPWrap
 from gtp_wrap.api import engine_of
 from gtp_wrap.core.weight import GradState, ShardedWeight
+from gtp_wrap.geometry import lay_out
 
 
 def _weight() -> ShardedWeight:
@@ -147,3 +148,23 @@ def test_a_backward_that_raised_inside_a_forward_leaves_that_forward_intact() ->
     ref(x).sum().backward()
     torch.testing.assert_close(out.float(), ref(x), atol=0.02, rtol=0.02)
     torch.testing.assert_close(model.b.weight.grad, ref.b.weight.grad, atol=0.05, rtol=0.05)
+
+
+def test_lay_out_puts_groups_of_one_last_and_returns_the_specs_order() -> None:
+    """Gathered weights first in each flat tensor and weights of groups of one after them, so
+    that a compute copy of the latter, and the FP8 quantization of the former, each cover one
+    span (core/storage.py); the geometries come back in the order they were asked for."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    specs = [
+        (torch.Size([8, 4]), 0, f32, 0, 1),  # a group of one
+        (torch.Size([8, 4]), 0, f32, 1, 2),
+        (torch.Size([6, 4]), 0, bf16, 0, 1),
+        (torch.Size([4, 4]), 1, f32, 0, 2),
+    ]
+    geometries, sizes = lay_out(specs, align=False, block=128)
+    assert [(g.shape, g.dtype, g.world) for g in geometries] == [
+        (shape, dtype, world) for shape, _, dtype, _, world in specs
+    ]
+    gathered, local = geometries[1], geometries[0]
+    assert (gathered.offset, geometries[3].offset, local.offset) == (0, 128, 256)
+    assert geometries[2].offset == 0 and sizes == {f32: 384, bf16: 128}
