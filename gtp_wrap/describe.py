@@ -40,6 +40,9 @@ class ParameterRow:
             tensor parallelism split it (GTP shards or replicates its tp block), else None.
         ep: for an expert stack partitioned over the expert mesh's ep dim, that dim's size
             (each rank keeps shape[0] / ep experts, sharded over egtp), else None.
+        gathers: what each gather of a sharded weight moves: its compute dtype ("bfloat16"),
+            or packed "fp8" / "nvfp4" slots; None where nothing is gathered (a replicated
+            parameter, or a weight sharded over a group of one, which reads its local copy).
     """
 
     fqn: str
@@ -55,6 +58,7 @@ class ParameterRow:
     aliases: tuple[str, ...]
     tp: str | None = None
     ep: int | None = None
+    gathers: str | None = None
 
     @property
     def sharded(self) -> bool:
@@ -81,7 +85,10 @@ class Description:
         return sum(r.bytes_per_rank for r in self.rows if not r.sharded)
 
     def __str__(self) -> str:
-        header = ("parameter", "shape", "placement", "compute", "group", "bytes/rank", "decided by")
+        header = (
+            "parameter", "shape", "placement", "compute", "gathers", "group", "bytes/rank",
+            "decided by",
+        )  # fmt: skip
         lines = [
             (
                 r.fqn + "".join(f" = {a}" for a in r.aliases),
@@ -90,6 +97,7 @@ class Description:
                 + (f", tp {r.tp}" if r.tp else "")
                 + (f", ep S(0) over {r.ep}" if r.ep else ""),
                 r.compute_dtype,
+                r.gathers or "-",
                 f"{r.group}={r.group_size}",
                 f"{r.bytes_per_rank:,}",
                 r.reason,
@@ -97,7 +105,7 @@ class Description:
             for r in self.rows
         ]
         widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header) - 1)]
-        numeric = {5}  # right-aligned columns
+        numeric = {6}  # right-aligned columns
 
         def fmt(row: tuple[str, ...]) -> str:
             cells = [
@@ -145,6 +153,7 @@ def describe(model: nn.Module) -> Description:
                 aliases=aliases,
                 tp=None if w.tp is None else str(w.tp.placement),
                 ep=None if w.ep is None else w.ep.size,
+                gathers=w.encoding.wire if w.axis.size > 1 else None,
             )
         else:
             param = model.get_parameter(fqn)

@@ -51,8 +51,10 @@ def test_describe_reports_the_policy_per_parameter() -> None:
         assert emb["bytes_per_rank"] == 25 * 32 * 4  # its fp32 rows
         assert fc["bytes_per_rank"] == (17 if rank == 0 else 16) * 32 * 4
         assert (fc["dtype"], fc["compute_dtype"]) == ("float32", "bfloat16")
+        assert fc["gathers"] == "bfloat16"  # cast on the way into its gather
         small = rows["small.weight"]
         assert small["shard_dim"] is None and small["rule"] == "Linear"
+        assert small["gathers"] is None
         assert small["reason"] == "below min_shard_numel (132 < 1000)"
         assert (small["group"], small["group_size"], small["bytes_per_rank"]) == ("world", 2, 528)
         assert rows["fc.bias"]["reason"] == "no rule" and rows["fc.bias"]["rule"] is None

@@ -283,8 +283,9 @@ def test_readme_snippet_trains_as_the_expert_group_alone() -> None:
     for (losses, table), (want, _) in zip(ep, alone):
         assert len(losses) == 3 and losses == pytest.approx(want, rel=1e-5)
         row = next(line for line in table.splitlines() if "experts.gate_up" in line)
-        assert "4x64x64  shard(1), ep S(0) over 2  float32  egtp=2" in row
-        assert re.search(r"experts.gate_up +4x64x64 +shard\(1\) +float32 +egtp=4", alone[0][1])
+        assert "4x64x64  shard(1), ep S(0) over 2  float32  float32  egtp=2" in row
+        gathered = r"experts.gate_up +4x64x64 +shard\(1\) +float32 +float32 +egtp=4"
+        assert re.search(gathered, alone[0][1])
 
 
 def _failing_peer(rank: int, world: int) -> str:
@@ -464,6 +465,7 @@ def _precisions_beside_local_weights(rank: int, world: int, layout: str) -> dict
             "local_bf16_bytes": sum(2 * w.geometry.slot_numel for w in local),
             "fresh": fresh,
             "warnings": [str(w.message) for w in wrap_warnings],
+            "gathers": {row.gathers for row in gtp_wrap.describe(model).rows if row.sharded},
         }
     return out
 
@@ -488,6 +490,8 @@ def test_gathers_and_copies_are_chosen_per_weight_beside_a_group_of_one(layout: 
             assert got["copy_bytes"] == bf16["copy_bytes"]  # the local weights' copy only
             assert got["losses"] == pytest.approx(bf16["losses"], rel=2e-2), packed
         assert all(case["fresh"] for case in r.values())
+        for case, wire in (("bf16", "bfloat16"), ("fp8", "fp8"), ("nvfp4", "nvfp4")):
+            assert r[case]["gathers"] == {wire, None}, r[case]["gathers"]  # None: group of one
         local_linears = "keep bf16 GEMMs, because they are sharded over a group of one rank"
         warned = any(local_linears in w for w in r["fp8_gemm"]["warnings"])
         assert warned == (layout == "local_dense"), r["fp8_gemm"]["warnings"]

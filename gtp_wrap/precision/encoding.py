@@ -107,6 +107,11 @@ class Encoding:
     def decode_into(self, gathered: torch.Tensor, out: torch.Tensor, geo: ShardGeometry) -> None:
         raise NotImplementedError(f"{type(self).__name__} gathers the weight itself")
 
+    @property
+    def wire(self) -> str:
+        """What a gather moves, in words: the dtype of the weight itself, or the packing."""
+        return str(self.dtype).removeprefix("torch.")
+
 
 class PlainEncoding(Encoding):
     """The slot itself, or cast on its way into a gather buffer of the compute dtype: the
@@ -121,6 +126,7 @@ class FP8Encoding(Encoding):
 
     __slots__ = ("block", "fused")
     decodes = True
+    wire = "fp8"  # type: ignore[assignment]
 
     def __init__(self, send: torch.Tensor, block: int, fused: bool, by_row: bool) -> None:
         super().__init__(send, torch.uint8, feeds_gemm=by_row)
@@ -137,6 +143,7 @@ class NVFP4Encoding(Encoding):
 
     __slots__ = ("fused",)
     decodes = True
+    wire = "nvfp4"  # type: ignore[assignment]
 
     def __init__(self, send: torch.Tensor, fused: bool) -> None:
         super().__init__(send, torch.uint8)
