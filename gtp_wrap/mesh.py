@@ -167,16 +167,27 @@ def make_mesh(
     "ep", "egtp"), edp being what ep x egtp leave, row-major whatever `layout` (egtp groups
     runs of consecutive ranks): GTPWrap's `expert_mesh`. `device_type`: "cuda" where a GPU is
     present, else "cpu", by default."""
-    if ep < 1 or egtp < 1:
-        raise WrapError(f"make_mesh(ep={ep}, egtp={egtp}): give each as a whole number >= 1")
-    mesh = dense_mesh(dp, gtp, tp, device_type, layout)
-    world = mesh.size()
-    if world % (ep * egtp):
+    experts = make_expert_mesh(ep, egtp, device_type)
+    return dense_mesh(dp, gtp, tp, device_type, layout), experts
+
+
+def make_expert_mesh(ep: int = 1, egtp: int = 1, device_type: str | None = None) -> DeviceMesh:
+    """The expert mesh ("edp", "ep", "egtp") over the whole world, edp being what ep x egtp
+    leave (`make_mesh`'s second mesh)."""
+    if not dist.is_initialized():
+        raise WrapError("make_mesh needs torch.distributed: call dist.init_process_group() first")
+    world = dist.get_world_size()
+    if ep < 1 or egtp < 1 or world % (ep * egtp):
         raise WrapError(
-            f"make_mesh(ep={ep}, egtp={egtp}): ep x egtp must divide the world of {world} ranks"
+            f"make_mesh(ep={ep}, egtp={egtp}): give each as a whole number >= 1; ep x egtp must "
+            f"divide the world of {world} ranks"
         )
     experts = (world // (ep * egtp), ep, egtp)
-    return mesh, init_device_mesh(mesh.device_type, experts, mesh_dim_names=EXPERT_DIMS)
+    return init_device_mesh(_device_type(device_type), experts, mesh_dim_names=EXPERT_DIMS)
+
+
+def _device_type(given: str | None) -> str:
+    return given or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 MESH_LAYOUTS = ("gtp_inner", "gtp_outer")
@@ -202,9 +213,7 @@ def dense_mesh(
 
     The README's "Which mesh axis on which link" says which to use and why."""
     if not dist.is_initialized():
-        raise WrapError(
-            "make_mesh and dense_mesh need torch.distributed: call dist.init_process_group() first"
-        )
+        raise WrapError("make_mesh needs torch.distributed: call dist.init_process_group() first")
     world = dist.get_world_size()
     call = f"the dense mesh dp={dp}, gtp={gtp}, tp={tp}"
     if layout not in MESH_LAYOUTS:
@@ -224,8 +233,6 @@ def dense_mesh(
             f"{call} does not fill the world of {world} ranks: dp x gtp x tp must equal the "
             "world size"
         )
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     # On the CPU whatever the default device, as init_device_mesh makes it (a model built
     # under torch.device("meta") is where a mesh is often made).
     everyone = torch.arange(world, device="cpu")
@@ -235,7 +242,7 @@ def dense_mesh(
     kept = [i for i, name in enumerate(MESH_DIMS) if name == GTP or sizes[name] > 1]
     ranks = ranks.reshape([sizes[MESH_DIMS[i]] for i in kept])
     names = tuple(MESH_DIMS[i] for i in kept)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    return DeviceMesh(_device_type(device_type), ranks, mesh_dim_names=names)
 
 
 def _axis(mesh: DeviceMesh, name: str) -> MeshAxis:

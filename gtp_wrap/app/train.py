@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -39,7 +38,7 @@ from gtp_wrap import GTPPolicy, GTPWrap
 from gtp_wrap.api import engine_of
 from gtp_wrap.config.policy import resolve_policy
 from gtp_wrap.errors import CheckpointError, PolicyError
-from gtp_wrap.mesh import EXPERT_DIMS, MESH_LAYOUTS, dense_mesh
+from gtp_wrap.mesh import MESH_LAYOUTS, dense_mesh, make_expert_mesh
 from gtp_wrap.optim import Muon, muon_param_groups
 
 from ..io import checkpoint
@@ -311,9 +310,7 @@ def train(device: torch.device, cfg: dict, run_dir: str, job_logging: dict) -> N
     expert_mesh = None
     if cfg.get("expert_mesh") is not None:
         ep, egtp = cfg["expert_mesh"]
-        expert_mesh = init_device_mesh(
-            device.type, (world // (ep * egtp), ep, egtp), mesh_dim_names=EXPERT_DIMS
-        )
+        expert_mesh = make_expert_mesh(ep, egtp, device.type)
     # Every step's gradients are checked: a non-finite one raises (naming the weight) or skips.
     policy = dataclasses.replace(resolve_policy(cfg["policy"]), check_finite=True)
     if _on_meta(cfg, policy):  # only this rank's part is ever allocated, then initialized

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
-from ..runtime.engine import GTPEngine, engine_of, is_wrapped
+from ..runtime.engine import GTPEngine, engines_of
 
 
 def dtensor_layout(
@@ -240,8 +240,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     alone gets a CollectiveTimeoutError naming the ranks that did not, after the policy's
     collective_timeout_s, rather than waiting in DTensor's all-gathers for ever.
     """
-    engine = _engine_under(module)
-    if engine is not None:
+    for engine in engines_of(module.parameters()):  # its own, or a wrapped model's it is in
         _meet_for_full_state_dict(engine)
     out = {}
     for key, value in module.state_dict().items():
@@ -250,17 +249,6 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         with torch._C.DisableTorchFunctionSubclass():
             out[key] = value.detach().to("cpu", copy=True)
     return out
-
-
-def _engine_under(module: nn.Module) -> GTPEngine | None:
-    """The engine of a wrapped module, or of the sharded weights inside a submodule of one."""
-    if is_wrapped(module):
-        return engine_of(module)
-    for param in module.parameters():
-        weight = getattr(param, "gtp_weight", None)
-        if weight is not None:
-            return cast(GTPEngine, weight.runtime)
-    return None
 
 
 def _meet_for_full_state_dict(engine: GTPEngine) -> None:

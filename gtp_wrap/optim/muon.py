@@ -22,7 +22,7 @@ from torch.optim.adamw import adamw
 from ..core.weight import CastWeight, ShardedWeight
 from ..errors import GraphCaptureError, WrapError
 from ..io.state_dict import dtensor_shape, local_box
-from ..runtime.engine import GTPEngine
+from ..runtime.engine import GTPEngine, engines_of
 from .newton_schulz import adjusted_lr, cost, orthogonalize
 from .owners import Box, OwnerPlan
 
@@ -342,13 +342,13 @@ def _managed(p: torch.Tensor) -> ShardedWeight | CastWeight | None:
 def _engine_of(params: list[torch.Tensor]) -> GTPEngine | None:
     """The distributed engine the parameters belong to; None when none does (one process, or
     a model that is not wrapped), so matrices are whole on every rank."""
-    engines = {id(w.runtime): w.runtime for p in params if (w := _managed(p)) is not None}
+    engines = engines_of(params)
     if len(engines) > 1:
         raise ValueError(
             "Muon got parameters of several wrapped models: give each model an optimizer of its own"
         )
-    engine = next(iter(engines.values()), None)
-    if not isinstance(engine, GTPEngine) or engine.mesh.device_mesh is None:
+    engine = next(iter(engines), None)
+    if engine is None or engine.mesh.device_mesh is None:
         return None
     return engine if engine.mesh.world_size > 1 else None
 

@@ -264,6 +264,12 @@ class FP8Packing:
             payloads.append(payload)
             scales.append(scale)
             ranges.append((first, first + nblocks))
+        # Each flat's block-scaled span: its gathered weights come first (geometry.lay_out), so
+        # the quantization stops at the last of them, short of the weights of groups of one.
+        self._ends = {
+            dtype: max((b for _, b in ranges), default=0) * fp8.BLOCK
+            for dtype, (_, _, ranges) in self._blocks.items()
+        }
 
     def refresh(self) -> int:
         done = 0
@@ -272,9 +278,8 @@ class FP8Packing:
                 continue
             with torch.no_grad():
                 payloads, scales, ranges = self._blocks[dtype]
-                if payloads:  # the gathered weights' span only (lay_out puts them first)
-                    end = max(b for _, b in ranges) * fp8.BLOCK
-                    payload, scale = fp8.quantize(flat[:end].view(-1, fp8.BLOCK))
+                if payloads:
+                    payload, scale = fp8.quantize(flat[: self._ends[dtype]].view(-1, fp8.BLOCK))
                     torch._foreach_copy_(
                         payloads + scales,
                         [payload[a:b].reshape(-1) for a, b in ranges]
@@ -324,8 +329,7 @@ def make_encodings(
                 slot, block, fp8_triton.available(device, geo.slot_numel), row
             )
         packing = fp8_packing
-    plain = [
-        PlainEncoding(slot, precision.compute_dtype(geo.dtype))
-        for geo, slot in zip(geometries, slots)
-    ]
-    return [encodings.get(i, enc) for i, enc in enumerate(plain)], packing
+    return [
+        encodings[i] if i in encodings else PlainEncoding(slot, precision.compute_dtype(geo.dtype))
+        for i, (geo, slot) in enumerate(zip(geometries, slots))
+    ], packing

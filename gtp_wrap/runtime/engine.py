@@ -94,6 +94,18 @@ def _forward_error() -> BaseException | None:
     return None
 
 
+def engines_of(params: Iterable[torch.Tensor]) -> list[GTPEngine]:
+    """The engines whose managed weights (sharded or replicated) are among `params`, each
+    once, in the order first met: what a submodule of a wrapped model, or an optimizer's
+    parameters, belong to."""
+    engines: dict[int, GTPEngine] = {}
+    for p in params:
+        runtime = getattr(getattr(p, "gtp_weight", None), "runtime", None)
+        if isinstance(runtime, GTPEngine):
+            engines.setdefault(id(runtime), runtime)
+    return list(engines.values())
+
+
 def engine_of(module: nn.Module) -> GTPEngine:
     """The engine of a wrapped module (a WrapError naming the fix if it is not wrapped)."""
     engine = getattr(module, _ENGINE_ATTR, None)
