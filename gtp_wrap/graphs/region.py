@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core.parameter import GTPParameter
@@ -53,7 +54,14 @@ class _Region:
             if isinstance(p, GTPParameter) and type(p.gtp_weight) is ShardedWeight
         ]
         self.weights = [p.gtp_weight for p in self.sharded]
-        self.wrt = [x for x in self.static_in if x.requires_grad] + self.params
+        # The shards go to autograd.grad as gradient edges, which it takes as it takes tensors:
+        # the region needs their uses' backward to run (it reads the reduce-scatter's result
+        # from .grad), but refuses sharded parameters named as tensors, because a user's
+        # autograd.grad would get nothing back for them.
+        sharded = set(map(id, self.sharded))
+        self.wrt = [x for x in self.static_in if x.requires_grad] + [
+            get_gradient_edge(p) if id(p) in sharded else p for p in self.params
+        ]
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self._spec: Any = None
         self._replayed_in: object | None = None  # the model pass of the last forward replay
@@ -83,7 +91,6 @@ class _Region:
             # the graph's gradient of an input or replicated parameter; None for sharded
             # weights (their reduce-scatter is in the graph) and inputs without gradients.
             by_input = dict(zip(map(id, self.wrt), self.static_grad_in))
-            sharded = set(map(id, self.sharded))
             self.grad_of_input = [
                 None if id(t) in sharded else by_input.get(id(t))
                 for t in (*self.static_in, *self.params)
