@@ -1,6 +1,5 @@
 # The CUDA tests again after the graphed-region fix (regions give their shards to autograd.grad
-# as gradient edges), with the package installed so the MoE tests load moe.yaml's defaults;
-# then the host time per weight use.
+# as gradient edges), with the package installed so the MoE tests load moe.yaml's defaults.
 #   bash benchmarks/results/host_1207f/gpu_tests.sh      (carry .whl)
 . benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
@@ -13,6 +12,3 @@ echo "cuda tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/cuda_tests.
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_moe.py tests/test_muon.py \
   tests/test_nvfp4.py tests/test_meta_init.py tests/test_precision.py > $OUT/cuda_marked.log 2>&1
 echo "gpu-marked rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/cuda_marked.log | tail -8
-timeout 80 python3 benchmarks/host_overhead.py --device cuda --steps 30 --rounds 3 \
-  --out $OUT/host_overhead.json > $OUT/host_overhead.log 2>&1
-echo "host_overhead rc=$?"; tail -12 $OUT/host_overhead.log
