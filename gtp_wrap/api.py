@@ -20,6 +20,7 @@ from .core.meta_init import InitFn, check_meta, check_same_generators, materiali
 from .core.parameter import GTPParameter
 from .errors import WrapError
 from .finite import check_at_steps
+from .io.optimizer_state import register_optimizer_hooks
 from .io.state_dict import gather_whole, install_state_dict_hooks, local_offset
 from .mesh import resolve_mesh
 from .parallel.experts import dispatch_tokens, plan_experts
@@ -130,6 +131,7 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
             raise
         cast_norm_statistics(module, resolved, engine.precision)
     install_state_dict_hooks(module, engine)
+    register_optimizer_hooks()
     attach(module, engine)
     if resolved.check_finite:
         check_at_steps(module)

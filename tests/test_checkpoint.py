@@ -3,7 +3,9 @@ continuation, safetensors export, and clear errors on bad input."""
 
 from __future__ import annotations
 
+import re
 import shutil
+import textwrap
 from pathlib import Path
 from unittest import mock
 
@@ -67,6 +69,7 @@ def _save_side(rank: int, world: int, root: str) -> dict:
         _step(model, opt, step, rank, world)
     ckpt.save(root, model, opt, extra={"step": 2, "data_position": 16})
     dcp.save(model.state_dict(), checkpoint_id=f"{root}/dcp")
+    _readme_dcp("save", model, opt, f"{root}/dcp_optim")
     saved = {"params": gtp_wrap.full_state_dict(model), "optim": _full_optimizer_state(model, opt)}
     for step in range(2, 4):
         _step(model, opt, step, rank, world)
@@ -77,13 +80,37 @@ def _save_side(rank: int, world: int, root: str) -> dict:
     return saved
 
 
+def _readme_dcp(part: str, model, optimizer, path: str) -> None:
+    """The README's torch.distributed.checkpoint snippet: its `save` half, or its `load` half
+    (after the comment line between them), with torch's own state dicts of model and optimizer
+    (see [Note: optimizer state in torch's state dicts])."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("- torch.distributed.checkpoint: torch's own") :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None, "the README's torch.distributed.checkpoint item has no python block"
+    save, load = textwrap.dedent(match.group(1)).split("# ... later")
+    imports = "\n".join(line for line in save.splitlines() if line.startswith(("import", "from")))
+    code = save if part == "save" else imports + "\n" + load.split("\n", 1)[1]
+    scope = {"model": model, "optimizer": optimizer, "path": path}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+
+
 def _load_side(rank: int, world: int, root: str, kind: str) -> dict:
     torch.manual_seed(123)  # different init: everything must come from the checkpoint
+    model = GTPWrap(TinyGPT(vocab=VOCAB), POLICY, mesh=_mesh(kind))
+    opt = _optimizer(model)
+    _readme_dcp("load", model, opt, f"{root}/dcp_optim")
+    torch_sd = {
+        "params": gtp_wrap.full_state_dict(model),
+        "optim": _full_optimizer_state(model, opt),
+    }
+    torch.manual_seed(123)
     model = GTPWrap(TinyGPT(vocab=VOCAB), POLICY, mesh=_mesh(kind))
     opt = _optimizer(model)
     extra = ckpt.load(root, model, opt)
     loaded = {"params": gtp_wrap.full_state_dict(model), "optim": _full_optimizer_state(model, opt)}
     loaded["extra"] = extra
+    loaded["torch_sd"] = torch_sd
     loaded["lrs"] = [g["lr"] for g in opt.param_groups]
     sd = model.state_dict()
     dcp.load(sd, checkpoint_id=f"{root}/dcp")
@@ -117,6 +144,8 @@ def test_reshard_to_other_meshes(saved, world: int, kind: str) -> None:
         _assert_same(got["params"], ref["params"], rtol=0, atol=0)
         _assert_same(got["optim"], ref["optim"], rtol=0, atol=0)
         _assert_same(got["dcp"], ref["params"], rtol=0, atol=0)
+        _assert_same(got["torch_sd"]["params"], ref["params"], rtol=0, atol=0)
+        _assert_same(got["torch_sd"]["optim"], ref["optim"], rtol=0, atol=0)
         assert got["extra"] == {"step": 2, "data_position": 16}
         assert got["lrs"] == [5e-3, 1e-2]
         # The next steps equal the uninterrupted run's (up to summation order across ranks).

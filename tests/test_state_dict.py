@@ -107,3 +107,72 @@ def test_dcp_in_place_load_of_dim1_shards(tmp_path, shape: tuple[int, int]) -> N
     """A (1, 3) weight's local block has other strides along its size-1 dim than its DTensor's
     local tensor: loading must not trip over that overlap."""
     assert run_ranks(_dcp_in_place, 2, str(tmp_path), shape) == [0.0, 0.0]
+
+
+def _same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    """Whether two optimizers of the same parameters hold equal state, tensor by tensor."""
+    return a.state.keys() == b.state.keys() and all(
+        a.state[p].keys() == b.state[p].keys()
+        and all(torch.equal(a.state[p][k], b.state[p][k]) for k in a.state[p])
+        for p in a.state
+    )
+
+
+def _optimizer_state_dicts(rank: int, world: int) -> dict:
+    """An optimizer's own state_dict()/load_state_dict() and torch's get_state_dict /
+    set_state_dict (sharded and full) on a wrapped model: the state as DTensors of the
+    logical shape, back as this rank's rows (see [Note: optimizer state in torch's state
+    dicts])."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    torch.manual_seed(0)
+    model = GTPWrap(TinyGPT(vocab=47), {"min_shard_numel": 0})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step * world + rank)
+        model(torch.randint(0, 47, (2, 8), generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    key = [n for n, _ in model.named_parameters()].index("wte.weight")
+    entry = sd["state"][key]["exp_avg"]
+    # An optimizer that never stepped loads the DTensors as they are, and converts them at its
+    # first step; one that stepped converts them on load.
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(sd)
+    fresh.step()  # no gradients: nothing changes but the hooks
+    stepped = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepped.step()
+    stepped.load_state_dict(sd)
+    full = StateDictOptions(full_state_dict=True)
+    _, full_osd = get_state_dict(model, opt, options=full)
+    from_full = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    set_state_dict(model, from_full, model_state_dict={}, optim_state_dict=full_osd,
+                   options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
+    return {
+        "entry": (type(entry).__name__, tuple(entry.shape)),
+        "full_entry": tuple(full_osd["state"]["wte.weight"]["exp_avg"].shape),
+        "sd_keeps_state": all(isinstance(v["exp_avg"], torch.Tensor) for v in sd["state"].values()),
+        **{
+            name: _same_state(o, opt)
+            for name, o in (("fresh", fresh), ("stepped", stepped), ("from_full", from_full))
+        },
+        "plain_after_load": all(
+            type(v) is torch.Tensor
+            for o in (fresh, stepped, from_full)
+            for s in o.state.values()
+            for v in s.values()
+        ),
+    }
+
+
+def test_optimizer_state_dicts_hold_the_logical_state() -> None:
+    for r in run_ranks(_optimizer_state_dicts, 2):
+        assert r["entry"] == ("DTensor", (47, 32))
+        assert r["full_entry"] == (47, 32)
+        assert r["fresh"] and r["stepped"] and r["from_full"]
+        assert r["plain_after_load"]

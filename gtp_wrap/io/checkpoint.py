@@ -44,10 +44,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..core.weight import CastWeight, ShardedWeight
 from ..errors import CheckpointError, GTPError
 from ..runtime.engine import GTPEngine, engine_of, is_wrapped
-from .state_dict import full_state_dict, to_dtensor
+from .optimizer_state import logical_state
+from .state_dict import full_state_dict
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^(?:step|ckpt)_(\d{6,})$")
@@ -74,23 +74,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     """The optimizer's per-parameter state keyed by parameter FQN; the state of sharded
     parameters as DTensors of the logical shape, so it reshards with the model."""
     fqn_of = _fqns(model)
-    engine = engine_of(model) if is_wrapped(model) else None
-    # Sharded weights, and tensor-parallel blocks that GTP replicates; one process holds whole
-    # weights.
-    managed: dict[int, ShardedWeight | CastWeight] = {}
-    if engine is not None and engine.mesh.device_mesh is not None:
-        managed = {id(w.param): w for w in engine.weights}
-        managed |= {id(c.param): c for c in engine.casts.cast_weights if c.tp is not None}
-    out: dict[str, Any] = {}
-    for p, state in optimizer.state.items():
-        entry = {}
-        w = managed.get(id(p))
-        for k, v in state.items():
-            if engine and w is not None and isinstance(v, torch.Tensor) and v.shape == p.shape:
-                v = to_dtensor(engine, w, v)
-            entry[k] = v
-        out[fqn_of[id(p)]] = entry
-    return out
+    return {fqn_of[id(p)]: logical_state(p, state) for p, state in optimizer.state.items()}
 
 
 def _flat_tensors(

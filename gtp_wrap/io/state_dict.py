@@ -193,7 +193,7 @@ def _to_local(
         value = sd.get(prefix + name)
         if value is None:
             continue
-        value = _local_value(engine, w, value)
+        value = local_value(engine, w, value)
         param = module._parameters[name]
         if param is not None and _same_elements(value, param):
             # The in-place round trip (state_dict, dcp.load, load_state_dict) hands back the
@@ -203,7 +203,7 @@ def _to_local(
         sd[prefix + name] = value
 
 
-def _local_value(engine: GTPEngine, w: _Managed, value: torch.Tensor) -> torch.Tensor:
+def local_value(engine: GTPEngine, w: _Managed, value: torch.Tensor) -> torch.Tensor:
     """This rank's part of a loaded value of `w`: the same DTensor's local block as it is, or
     the rows of the full tensor (a DTensor of another layout is made full first)."""
     if isinstance(value, DTensor):
