@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -17,7 +18,7 @@ from omegaconf import OmegaConf
 import gtp_wrap
 from gtp_wrap.app.model import GPT, GPTConfig
 from gtp_wrap.app.train import CONFIG_DIR
-from gtp_wrap.config.policy import resolve_policy
+from gtp_wrap.config.policy import GTPPolicy, resolve_policy
 
 # CPU ranks on any machine: two of them, whatever GPUs it has.
 FAST = ["device=cpu", "trainer.batch=4", "trainer.seq=32", "trainer.eval_every=0",
@@ -221,6 +222,8 @@ def test_every_config_composes_and_instantiates(policy: str, model: str) -> None
         cfg = compose("train", overrides=[f"policy={policy}", f"model={model}"])
     # The group's file given as a path composes as Hydra composes it.
     assert resolve_policy(f"{CONFIG_DIR}/policy/{policy}.yaml") == resolve_policy(cfg.policy)
+    # Every field is a plain override (`policy.check_finite=true`, no `+`) whichever policy.
+    assert set(cfg.policy) - {"defaults"} == {f.name for f in dataclasses.fields(GTPPolicy)}
     model = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "init"}
     assert cfg.model.init == "auto"
     with torch.device("meta"):
@@ -232,6 +235,9 @@ BAD_INPUT = [
     ("bogus_option=1", "Could not override 'bogus_option'"),
     ("+policy.min_shard=3", "unknown GTPPolicy field(s) ['min_shard']"),
     ("nproc=4096", "nproc=4096 but this machine has"),
+    ("trainer.lr=-1", "trainer.lr=-1: must be a number > 0"),
+    ("trainer.grad_clip=-0.5", "trainer.grad_clip=-0.5: must be a number >= 0"),
+    ("trainer.warmup=1.5", "trainer.warmup=1.5: must be a whole number >= 0"),
     ("data.path=/no/such/file.txt", "does not exist; give a text file (its bytes are the"),
     ("mesh=[3,1]", "mesh=[3, 1] does not multiply to nproc=2"),
     ("mesh_layout=diagonal", "mesh_layout='diagonal': use gtp_inner or gtp_outer"),

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import caught, run_ranks
+from models import TinyGPT
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -488,3 +489,13 @@ def test_ranks_that_all_raise_alike_go_on_training() -> None:
         assert got["bad"].startswith("IndexError"), got["bad"]
         assert got["next"] == "no error", got["next"]
         assert got["loss"] == got["first"]
+
+
+def test_a_part_of_a_wrapped_model_is_named_as_such() -> None:
+    """gtp_wrap's functions take the wrapped model; given one of its submodules, the error
+    says so rather than calling the submodule unwrapped."""
+    model = GTPWrap(TinyGPT(vocab=47), {"min_shard_numel": 0})
+    with pytest.raises(WrapError, match="Linear is a part of a wrapped model, not the module"):
+        gtp_wrap.clip_grad_norm_(model.head, 1.0)
+    with pytest.raises(WrapError, match="Linear is not wrapped; call GTPWrap"):
+        gtp_wrap.clip_grad_norm_(nn.Linear(2, 2), 1.0)

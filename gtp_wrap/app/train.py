@@ -127,6 +127,14 @@ def _validate(cfg: dict, run_dir: str) -> None:
     for key in ("steps", "batch", "seq", "accumulation", "eval_batches"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be a whole number >= 1")
+    for key, least in (("lr", None), ("min_lr", 0), ("weight_decay", 0), ("grad_clip", 0)):
+        value = t[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (value <= 0 if least is None else value < least):
+            bound = "> 0" if least is None else ">= 0"
+            raise LaunchError(f"trainer.{key}={value!r}: must be a number {bound}")
+    if not isinstance(t["warmup"], int) or isinstance(t["warmup"], bool) or t["warmup"] < 0:
+        raise LaunchError(f"trainer.warmup={t['warmup']!r}: must be a whole number >= 0")
     if t.get("on_nonfinite") not in ("raise", "skip"):
         raise LaunchError(f"trainer.on_nonfinite={t.get('on_nonfinite')!r}: use raise or skip")
     for key in ("compile", "gather_per_block", "backward_on_calling_thread"):

@@ -110,6 +110,11 @@ def engine_of(module: nn.Module) -> GTPEngine:
     """The engine of a wrapped module (a WrapError naming the fix if it is not wrapped)."""
     engine = getattr(module, _ENGINE_ATTR, None)
     if engine is None:
+        if engines_of(module.parameters()):
+            raise WrapError(
+                f"{type(module).__name__} is a part of a wrapped model, not the module "
+                "GTPWrap wrapped; pass the wrapped model itself"
+            )
         raise WrapError(
             f"{type(module).__name__} is not wrapped; call GTPWrap(module, policy) first"
         )
