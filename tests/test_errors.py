@@ -499,3 +499,45 @@ def test_a_part_of_a_wrapped_model_is_named_as_such() -> None:
         gtp_wrap.clip_grad_norm_(model.head, 1.0)
     with pytest.raises(WrapError, match="Linear is not wrapped; call GTPWrap"):
         gtp_wrap.clip_grad_norm_(nn.Linear(2, 2), 1.0)
+
+
+def _whole_parameter_optimizers(rank: int, world: int) -> dict:
+    """Each optimizer's first step on a model with a sharded weight, and on one kept whole."""
+    out = {}
+    for name, make in (
+        ("Adafactor", lambda ps: torch.optim.Adafactor(ps, lr=1e-2)),
+        ("LBFGS", lambda ps: torch.optim.LBFGS(ps, lr=1e-2)),
+        ("Muon", lambda ps: torch.optim.Muon(ps, lr=1e-2)),
+        ("AdamW", lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+    ):
+        for rules in ("shard", "replicate"):
+            torch.manual_seed(0)
+            policy = {"min_shard_numel": 0, "rules": [{"match": "Linear", "action": rules}]}
+            model = GTPWrap(nn.Linear(8, 8, bias=False), policy)
+            opt = make(list(model.parameters()))
+
+            def step(model=model, opt=opt) -> None:
+                def closure() -> torch.Tensor:
+                    opt.zero_grad()
+                    loss = model(torch.ones(2, 8)).square().mean()
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)
+
+            out[f"{name}/{rules}"] = caught(step)
+    return out
+
+
+def test_optimizers_that_step_from_whole_parameters_are_refused_on_shards() -> None:
+    """Adafactor (its factored second moment and the parameter's RMS), LBFGS (dot products
+    over all parameters) and torch's Muon stepped each rank from its own rows: the ranks'
+    weights drifted apart (found by a new user: LBFGS 1.92 apart after 6 steps)."""
+    for r in run_ranks(_whole_parameter_optimizers, 2, timeout=120):
+        for name in ("Adafactor", "LBFGS", "Muon"):
+            assert r[f"{name}/shard"].startswith(
+                f"WrapError: {name} computes each step from whole parameters, but 'weight' is "
+                "sharded"
+            ), r
+            assert r[f"{name}/replicate"] == "no error", r
+        assert r["AdamW/shard"] == "no error", r

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import caught, run_ranks
 from models import TinyGPT
 from torch.distributed.tensor import DTensor
 
@@ -176,3 +176,44 @@ def test_optimizer_state_dicts_hold_the_logical_state() -> None:
         assert r["full_entry"] == (47, 32)
         assert r["fresh"] and r["stepped"] and r["from_full"]
         assert r["plain_after_load"]
+
+
+class _RowStatistics(torch.optim.Optimizer):
+    """SGD that keeps a statistic per row of each weight, as factored optimizers do."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 1e-2})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["rows"] = p.grad.square().mean(-1, keepdim=True)
+                    p.sub_(p.grad, alpha=group["lr"])
+
+
+def _state_not_per_element(rank: int, world: int, root: str) -> dict:
+    model = GTPWrap(torch.nn.Linear(8, 6, bias=False), {"min_shard_numel": 0})
+    opt = _RowStatistics(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    from gtp_wrap import checkpoint
+
+    return {
+        "state_dict": caught(opt.state_dict),
+        "checkpoint": caught(lambda: checkpoint.save(root, model, opt)),
+    }
+
+
+def test_optimizer_state_that_is_not_per_element_is_refused_when_saved(tmp_path) -> None:
+    """A factored statistic of a shard (its rows' mean square here) was saved from rank 0 for
+    every rank, and loaded as rank 0's at any world size (found by a new user with Adafactor)."""
+    want = (
+        "WrapError: the optimizer's 'rows' state of 'weight' has shape (3, 1), not the "
+        "parameter's (3, 8): state that is not per element"
+    )
+    for r in run_ranks(_state_not_per_element, 2, str(tmp_path)):
+        assert r["state_dict"].startswith(want), r
+        assert r["checkpoint"].startswith("CheckpointError: saving"), r
+        assert f"(here: {want}" in r["checkpoint"], r

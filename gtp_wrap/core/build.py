@@ -51,11 +51,18 @@ _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKe
 _check_installed = False
 
 
-def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+# Optimizers whose step reads a whole parameter at once (a factored second moment and the
+# parameter's RMS, an orthogonalized matrix, dot products over all parameters): on a shard they
+# would step each rank from its own rows alone, and the ranks' weights would drift apart.
+_WHOLE_PARAMETER_OPTIMIZERS = (torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if not _replaced or _checked.get(optimizer) == count:
+    if _checked.get(optimizer) == count:
         return
     _checked[optimizer] = count
+    whole = isinstance(optimizer, _WHOLE_PARAMETER_OPTIMIZERS)
     for group in optimizer.param_groups:
         for p in group["params"]:
             replaced = _replaced.get(id(p))
@@ -66,16 +73,25 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     "the wrapped weights; build the optimizer from model.parameters() after "
                     "GTPWrap"
                 )
+            w = getattr(p, "gtp_weight", None)
+            if whole and type(w) is ShardedWeight and w.axis.size > 1:
+                raise WrapError(
+                    f"{type(optimizer).__name__} computes each step from whole parameters, but "
+                    f"'{w.fqns[0]}' is sharded: each rank would step it from its own rows and "
+                    "the ranks' weights would drift apart. Use an optimizer that works element "
+                    "by element (AdamW, Adam, SGD, RMSprop, Adagrad), gtp_wrap.optim.Muon for "
+                    "Muon, or keep these weights whole (a LayerRule with action='replicate')"
+                )
 
 
 def install_process_hooks() -> None:
     """What wrapping changes process-wide, done at the first wrap rather than at import: the
     optimizers' multi-tensor kernels take GTP parameters, and an optimizer holding replaced
-    parameters is refused at its step."""
+    parameters, or stepping sharded ones from whole parameters, is refused at its step."""
     global _check_installed
     register_with_optimizers()
     if not _check_installed:
-        register_optimizer_step_pre_hook(_refuse_replaced)
+        register_optimizer_step_pre_hook(_check_optimizer)
         _check_installed = True
 
 

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.weight import CastWeight, ShardedWeight
+from ..errors import WrapError
 from ..runtime.engine import GTPEngine
 from .state_dict import local_value, to_dtensor
 
@@ -53,7 +54,9 @@ def logical_state(param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
     if managed is None:
         return state
     engine, w = managed
-    return {k: to_dtensor(engine, w, v) if _per_element(param, v) else v for k, v in state.items()}
+    return {
+        k: to_dtensor(engine, w, v) if _per_element(param, w, k, v) else v for k, v in state.items()
+    }
 
 
 def _managed(param: torch.Tensor) -> tuple[GTPEngine, _Managed] | None:
@@ -68,8 +71,22 @@ def _managed(param: torch.Tensor) -> tuple[GTPEngine, _Managed] | None:
     return engine, w
 
 
-def _per_element(param: torch.Tensor, value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == param.shape
+def _per_element(param: torch.Tensor, w: _Managed, key: str, value: Any) -> bool:
+    """Whether `value` is state per element of `param` (False for scalars such as `step`);
+    other tensors are refused: they describe this rank's rows in a way no other layout can be
+    made from, and saved under one key they would load as one rank's on every rank."""
+    if not isinstance(value, torch.Tensor) or value.numel() <= 1:
+        return False
+    if value.shape == param.shape:
+        return True
+    name = w.fqns[0] if type(w) is ShardedWeight else w.fqn
+    raise WrapError(
+        f"the optimizer's '{key}' state of '{name}' has shape {tuple(value.shape)}, not the "
+        f"parameter's {tuple(param.shape)}: state that is not per element (a factored second "
+        "moment) holds statistics of this rank's rows alone, so it cannot be saved for another "
+        "layout, nor under one key for all ranks. Use an optimizer whose state is per element, "
+        "or keep this weight whole (a LayerRule with action='replicate')"
+    )
 
 
 def _before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
