@@ -282,3 +282,41 @@ def test_fp8_without_float8_dtypes_names_the_alternative(monkeypatch) -> None:
     monkeypatch.delattr(torch, "float8_e4m3fn")
     with pytest.raises(PolicyError, match="param_dtype: bfloat16"):
         GTPWrap(TinyGPT(), FP8)
+
+
+def _loss_scaled_steps(rank: int, world: int, sharded_scaler: bool) -> dict:
+    """fp16 compute with loss scaling, an inf put into rank 0's gradient shard at the second of
+    three steps (as an overflow in its part of the reduction would): the scale and weights after."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    policy = {"min_shard_numel": 0, "param_dtype": "float16", "reduce_dtype": "float32"}
+    model = GTPWrap(torch.nn.Linear(8, 8, bias=False), policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaling = ShardedGradScaler if sharded_scaler else torch.amp.GradScaler
+    scaler = scaling("cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(rank)
+    skipped = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=g)
+        scaler.scale(model(x).float().square().mean()).backward()
+        if step == 1 and rank == 0:
+            with torch.no_grad():
+                model.weight.grad[0, 0] = float("inf")
+        before = model.weight.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(torch.equal(before, model.weight.detach()))
+        opt.zero_grad()
+    return {"scale": scaler.get_scale(), "skipped": skipped}
+
+
+def test_sharded_grad_scaler_skips_an_overflow_on_every_rank() -> None:
+    """The README's advice for fp16: torch's ShardedGradScaler all-reduces the found-inf flags,
+    so an inf in one rank's shard skips the step on every rank; torch.amp.GradScaler checks
+    each rank's shards alone and skipped it on rank 0 only (found by a new user)."""
+    sharded = run_ranks(_loss_scaled_steps, 2, True)
+    assert [r["skipped"] for r in sharded] == [[False, True, False]] * 2
+    assert [r["scale"] for r in sharded] == [512.0, 512.0]
+    local = run_ranks(_loss_scaled_steps, 2, False)
+    assert [r["skipped"] for r in local] == [[False, True, False], [False, False, False]]
