@@ -526,6 +526,12 @@ def _whole_parameter_optimizers(rank: int, world: int) -> dict:
                 opt.step(closure)
 
             out[f"{name}/{rules}"] = caught(step)
+    # A frozen sharded weight beside a trained replicated one: it never steps.
+    model = GTPWrap(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), {"min_shard_numel": 0})
+    model[0].requires_grad_(False)
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    model(torch.ones(2, 8)).square().mean().backward()
+    out["Adafactor/frozen"] = caught(opt.step)
     return out
 
 
@@ -537,7 +543,8 @@ def test_optimizers_that_step_from_whole_parameters_are_refused_on_shards() -> N
         for name in ("Adafactor", "LBFGS", "Muon"):
             assert r[f"{name}/shard"].startswith(
                 f"WrapError: {name} computes each step from whole parameters, but 'weight' is "
-                "sharded"
+                "split over ranks"
             ), r
             assert r[f"{name}/replicate"] == "no error", r
         assert r["AdamW/shard"] == "no error", r
+        assert r["Adafactor/frozen"] == "no error", r

@@ -217,3 +217,58 @@ def test_optimizer_state_that_is_not_per_element_is_refused_when_saved(tmp_path)
         assert r["state_dict"].startswith(want), r
         assert r["checkpoint"].startswith("CheckpointError: saving"), r
         assert f"(here: {want}" in r["checkpoint"], r
+
+
+class _SGDWithOwnState(torch.optim.SGD):
+    """SGD that keeps a state entry of its own, under a key that is not a parameter."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.state["steps_taken"] = self.state.get("steps_taken", 0) + 1
+        return super().step(closure)
+
+
+def _odd_optimizer_states(rank: int, world: int, root: str) -> dict:
+    """Shards of one element and of none (weights (3, 1) and (1, 8) over 2 ranks), a full state
+    dict loaded before an optimizer's first step, and an optimizer's state under a key of its
+    own (found in review: each failed)."""
+    from gtp_wrap import checkpoint
+
+    torch.manual_seed(0)
+    model = GTPWrap(
+        torch.nn.Sequential(torch.nn.Linear(1, 3, bias=False), torch.nn.Linear(3, 8, bias=False),
+                            torch.nn.Linear(8, 1, bias=False)),
+        {"min_shard_numel": 0},
+    )  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, 1)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    types = [type(s["exp_avg"]).__name__ for s in opt.state_dict()["state"].values()]
+    checkpoint.save(root, model, opt)
+    again = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    checkpoint.load(root, model, again)
+    # Full tensors, as from the unwrapped model's optimizer, loaded before the first step.
+    full = opt.state_dict()
+    full["state"] = {
+        k: {n: v.full_tensor() if hasattr(v, "full_tensor") else v for n, v in s.items()}
+        for k, s in full["state"].items()
+    }
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(full)
+    fresh.step()  # no gradients: only the hooks
+    own = _SGDWithOwnState(model.parameters(), lr=1e-2, momentum=0.9)
+    model(torch.ones(2, 1)).sum().backward()
+    own.step()
+    return {
+        "types": types,
+        "reloaded": _same_state(again, opt),
+        "from_full": _same_state(fresh, opt),
+        "own_key": caught(lambda: own.state_dict()["state"]["steps_taken"]),
+    }
+
+
+def test_optimizer_states_of_small_shards_full_loads_and_own_keys(tmp_path) -> None:
+    for r in run_ranks(_odd_optimizer_states, 2, str(tmp_path)):
+        assert r["types"] == ["DTensor"] * 3, r
+        assert r["reloaded"] and r["from_full"], r
+        assert r["own_key"] == "no error", r

@@ -127,12 +127,14 @@ def _validate(cfg: dict, run_dir: str) -> None:
     for key in ("steps", "batch", "seq", "accumulation", "eval_batches"):
         if not isinstance(t[key], int) or t[key] < 1:
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be a whole number >= 1")
-    for key, least in (("lr", None), ("min_lr", 0), ("weight_decay", 0), ("grad_clip", 0)):
+    for key in ("lr", "min_lr", "weight_decay", "grad_clip"):
         value = t[key]
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or (value <= 0 if least is None else value < least):
-            bound = "> 0" if least is None else ">= 0"
-            raise LaunchError(f"trainer.{key}={value!r}: must be a number {bound}")
+        finite = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (finite and math.isfinite(value)) or value < 0 or (key == "lr" and value == 0):
+            bound = "> 0" if key == "lr" else ">= 0"
+            raise LaunchError(f"trainer.{key}={value!r}: must be a finite number {bound}")
+    if t["min_lr"] > t["lr"]:
+        raise LaunchError(f"trainer.min_lr={t['min_lr']} exceeds trainer.lr={t['lr']}")
     if not isinstance(t["warmup"], int) or isinstance(t["warmup"], bool) or t["warmup"] < 0:
         raise LaunchError(f"trainer.warmup={t['warmup']!r}: must be a whole number >= 0")
     if t.get("on_nonfinite") not in ("raise", "skip"):

@@ -13,7 +13,8 @@ parameters are DTensors and so is their state. Here each optimizer gets two hook
 layout (as `model.state_dict()` gives the weights), and `load_state_dict` takes DTensors of any
 layout, or full tensors, back to this rank's part. torch has no hook at an optimizer's
 construction, so they are registered at its first step, from a process-wide step hook; state
-an optimizer loaded before that step (DTensors kept as they came) is converted then. torch's
+an optimizer loaded before that step (DTensors or full tensors, kept as they came) is converted
+then. torch's
 `get_state_dict` and `set_state_dict` step an optimizer without state first, so they always
 find the hooks.
 """
@@ -25,15 +26,12 @@ import weakref
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.weight import CastWeight, ShardedWeight
 from ..errors import WrapError
 from ..runtime.engine import GTPEngine
-from .state_dict import local_value, to_dtensor
-
-_Managed = ShardedWeight | CastWeight
+from .state_dict import ManagedWeight, local_value, to_dtensor
 
 _hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _registered = False
@@ -55,11 +53,12 @@ def logical_state(param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
         return state
     engine, w = managed
     return {
-        k: to_dtensor(engine, w, v) if _per_element(param, w, k, v) else v for k, v in state.items()
+        k: to_dtensor(engine, w, v) if _shards_with_weight(param, w, k, v) else v
+        for k, v in state.items()
     }
 
 
-def _managed(param: torch.Tensor) -> tuple[GTPEngine, _Managed] | None:
+def _managed(param: torch.Tensor) -> tuple[GTPEngine, ManagedWeight] | None:
     """A sharded weight's engine and weight, or a tensor-parallel replicated one's: the
     weights whose `model.state_dict()` entries are DTensors."""
     w = getattr(param, "gtp_weight", None)
@@ -71,14 +70,17 @@ def _managed(param: torch.Tensor) -> tuple[GTPEngine, _Managed] | None:
     return engine, w
 
 
-def _per_element(param: torch.Tensor, w: _Managed, key: str, value: Any) -> bool:
-    """Whether `value` is state per element of `param` (False for scalars such as `step`);
-    other tensors are refused: they describe this rank's rows in a way no other layout can be
-    made from, and saved under one key they would load as one rank's on every rank."""
-    if not isinstance(value, torch.Tensor) or value.numel() <= 1:
+def _shards_with_weight(param: torch.Tensor, w: ManagedWeight, key: str, value: Any) -> bool:
+    """Whether `value` is state per element of `param`, laid out as the weight is (False for a
+    scalar such as `step`). Any other tensor is refused: it describes this rank's rows in a way
+    no other layout can be made from, and saved under one key it would load as one rank's on
+    every rank."""
+    if not isinstance(value, torch.Tensor):
         return False
-    if value.shape == param.shape:
+    if value.shape == param.shape:  # an uneven rank's shard may hold one element, or none
         return True
+    if value.dim() == 0:
+        return False
     name = w.fqns[0] if type(w) is ShardedWeight else w.fqn
     raise WrapError(
         f"the optimizer's '{key}' state of '{name}' has shape {tuple(value.shape)}, not the "
@@ -95,8 +97,9 @@ def _before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     _hooked.add(optimizer)
     optimizer.register_state_dict_post_hook(_to_dtensors)
     optimizer.register_load_state_dict_pre_hook(_to_local)
-    for param, state in optimizer.state.items():
-        if any(isinstance(v, DTensor) for v in state.values()):
+    # What a load before this step left: DTensors, or full tensors of a managed weight.
+    for param, state in list(optimizer.state.items()):
+        if _managed(param) is not None:
             optimizer.state[param] = _local_state(param, state)
 
 
@@ -104,7 +107,10 @@ def _params_by_key(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict
     """The optimizer's parameter for each key of `sd["state"]`: the keys of `sd`'s param
     groups, in order, name the optimizer's groups' parameters, as `load_state_dict` pairs
     them."""
-    keys = itertools.chain.from_iterable(g["params"] for g in sd["param_groups"])
+    groups = sd["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        return {}  # load_state_dict refuses it, naming the groups
+    keys = itertools.chain.from_iterable(g["params"] for g in groups)
     params = itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)
     return dict(zip(keys, params))
 
@@ -112,7 +118,8 @@ def _params_by_key(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict
 def _to_dtensors(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     param_of = _params_by_key(optimizer, sd)
     for key, state in sd["state"].items():
-        sd["state"][key] = logical_state(param_of[key], state)
+        if key in param_of:  # an optimizer may keep state of its own under other keys
+            sd["state"][key] = logical_state(param_of[key], state)
 
 
 def _to_local(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:

@@ -120,7 +120,8 @@ def local_offset(engine: GTPEngine) -> Callable[[ShardedWeight], tuple[int, ...]
     return lambda w: local_box(engine, w)[0]
 
 
-_Managed = ShardedWeight | CastWeight  # a sharded weight, or a tensor-parallel replicated one
+# A sharded weight, or a tensor-parallel one GTP replicates: the weights whose state is a DTensor.
+ManagedWeight = ShardedWeight | CastWeight
 
 
 def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
@@ -132,8 +133,8 @@ def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
     """
     # A module registered under two names (a block reused in a ModuleList) is reached through
     # both FQNs: one entry per parameter name of each module.
-    owned: dict[int, tuple[nn.Module, dict[str, _Managed]]] = {}
-    managed: list[tuple[tuple[str, ...], _Managed]] = [(w.fqns, w) for w in engine.weights]
+    owned: dict[int, tuple[nn.Module, dict[str, ManagedWeight]]] = {}
+    managed: list[tuple[tuple[str, ...], ManagedWeight]] = [(w.fqns, w) for w in engine.weights]
     managed += [((w.fqn,), w) for w in engine.casts.cast_weights if w.tp is not None]
     for fqns, w in managed:
         for fqn in fqns:
@@ -157,7 +158,7 @@ def install_state_dict_hooks(root: nn.Module, engine: GTPEngine) -> None:
 
 def _to_dtensors(
     engine: GTPEngine,
-    weights: list[tuple[str, _Managed]],
+    weights: list[tuple[str, ManagedWeight]],
     module: nn.Module,
     sd: dict,
     prefix: str,
@@ -175,7 +176,7 @@ def _to_dtensors(
 def _to_local(
     engine: GTPEngine,
     module: nn.Module,
-    weights: list[tuple[str, _Managed]],
+    weights: list[tuple[str, ManagedWeight]],
     sd: dict,
     prefix: str,
     meta: dict,
@@ -203,7 +204,7 @@ def _to_local(
         sd[prefix + name] = value
 
 
-def local_value(engine: GTPEngine, w: _Managed, value: torch.Tensor) -> torch.Tensor:
+def local_value(engine: GTPEngine, w: ManagedWeight, value: torch.Tensor) -> torch.Tensor:
     """This rank's part of a loaded value of `w`: the same DTensor's local block as it is, or
     the rows of the full tensor (a DTensor of another layout is made full first)."""
     if isinstance(value, DTensor):
