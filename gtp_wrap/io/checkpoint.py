@@ -46,7 +46,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..errors import CheckpointError, GTPError
 from ..runtime.engine import GTPEngine, engine_of, is_wrapped
-from .optimizer_state import logical_state
+from .optimizer_state import hook_optimizer, logical_state
 from .state_dict import full_state_dict
 
 log = logging.getLogger(__name__)
@@ -407,6 +407,8 @@ def load(
         agree_loaded(engine, path, loaded=False)
         raise
     agree_loaded(engine, path, loaded=True)
+    if optimizer is not None:
+        hook_optimizer(optimizer)
     return extra
 
 

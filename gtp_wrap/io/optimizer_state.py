@@ -42,7 +42,7 @@ def register_optimizer_hooks() -> None:
     global _registered
     if not _registered:
         _registered = True
-        register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_pre_hook(hook_optimizer)
 
 
 def logical_state(param: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +91,10 @@ def _shards_with_weight(param: torch.Tensor, w: ManagedWeight, key: str, value: 
     )
 
 
-def _before_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+def hook_optimizer(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Give `optimizer` the state-dict hooks, once: at its first step, or where gtp_wrap meets
+    it before (`gtp_wrap.checkpoint.load`; Adagrad, whose state exists from construction, is
+    never stepped by torch's `get_state_dict`)."""
     if optimizer in _hooked:
         return
     _hooked.add(optimizer)
