@@ -300,14 +300,16 @@ def test_a_mesh_that_does_not_fill_torchruns_world_stops_every_rank_at_once(
 ) -> None:
     """Under torchrun the mesh is checked against the ranks torchrun started, on every rank
     before any collective: a node given another nproc_per_node (so another mesh) hung waiting
-    for its peers; each rank now prints one line and exits."""
+    for its peers; each rank now exits with one line. torchrun ends a rank's peers when it
+    exits, so a peer may be stopped before it prints its own (seen once in CI)."""
     cmd = _torchrun(1, PER_NODE, _free_port(), "-m", "gtp_wrap.app.train", "mesh=[2,2]", *TRAIN,
                     f"out_dir={tmp_path / 'run'}")  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode != 0
     line = f"mesh=[2, 2] does not multiply to the {PER_NODE} ranks torchrun started"
-    assert done.stderr.count(line) == PER_NODE, done.stderr[-3000:]
+    assert 1 <= done.stderr.count(line) <= PER_NODE, done.stderr[-3000:]
+    assert "CollectiveTimeoutError" not in done.stderr, done.stderr[-3000:]
 
 
 if __name__ == "__main__":  # a rank started by torchrun (the `layouts` fixture)
