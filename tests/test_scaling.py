@@ -545,6 +545,8 @@ def test_cli_scale_and_all_methods_take_what_they_can(tmp_path: Path, capsys) ->
         main([*scale_args, "--global-batch", "2", "--gpus", "8,16", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="give sequences per step above 0"):
         main([*scale_args, "--global-batch", "-5", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="gtp-plan: --gpus '0': give whole numbers >= 1"):
+        main([*scale_args, "--gpus", "0", "--out", str(tmp_path)])
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="cannot write"):
         main([*scale_args, "--gpus", "8", "--out", str(tmp_path / "file" / "x")])

@@ -183,19 +183,21 @@ def _tp_variant(plan: Plan, all_methods: bool) -> Plan | None:
         return None
 
 
-def _ints(text: str) -> list[int]:
+def _ints(flag: str, text: str) -> list[int]:
+    """The comma-separated whole numbers of `flag`'s value."""
     try:
         values = [int(x) for x in text.split(",") if x]
     except ValueError:
-        raise SystemExit(f"gtp-plan: {text!r}: give comma-separated integers") from None
+        raise SystemExit(f"gtp-plan: {flag} {text!r}: give comma-separated integers") from None
     if not values or min(values) < 1:
-        raise SystemExit(f"gtp-plan: {text!r}: give whole numbers >= 1")
+        raise SystemExit(f"gtp-plan: {flag} {text!r}: give whole numbers >= 1")
     return values
 
 
 def cmd_scale(args: argparse.Namespace) -> None:
     plan = make_plan(args)
-    gpus = sorted(set(_ints(args.gpus)))  # the fewest GPUs are the base of both efficiencies
+    # The fewest GPUs are the base of both efficiencies.
+    gpus = sorted(set(_ints("--gpus", args.gpus)))
     name = f"{plan.cfg.name}_{plan.cluster.name}"
     global_batch = args.global_batch or plan.batch * 1024
     if not 0 < global_batch < float("inf"):
@@ -252,7 +254,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     plan = make_plan(args)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{plan.cfg.name}_{plan.cluster.name}"
-    sizes = scale.compare_group_sizes(plan, _ints(args.sizes))
+    sizes = scale.compare_group_sizes(plan, _ints("--sizes", args.sizes))
     spanning = dataclasses.replace(plan, mesh=Mesh(gtp=args.span), graphed=True)
     bandwidths = [3.125 * 2 ** (i / 2) for i in range(15)]  # 3 to 400 GB/s per GPU
     methods = {
