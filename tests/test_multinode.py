@@ -308,7 +308,7 @@ def test_a_mesh_that_does_not_fill_torchruns_world_stops_every_rank_at_once(
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode != 0
     line = f"mesh=[2, 2] does not multiply to the {PER_NODE} ranks torchrun started"
-    assert 1 <= done.stderr.count(line) <= PER_NODE, done.stderr[-3000:]
+    assert line in done.stderr, done.stderr[-3000:]
     assert "CollectiveTimeoutError" not in done.stderr, done.stderr[-3000:]
 
 

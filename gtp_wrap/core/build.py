@@ -76,19 +76,16 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             w = getattr(p, "gtp_weight", None)
             if not (whole and p.requires_grad):
                 continue
-            if type(w) is ShardedWeight and w.axis.size > 1:
-                name = w.fqns[0]
-            elif type(w) is CastWeight and w.tp is not None:
-                name = w.fqn
-            else:
-                continue
-            raise WrapError(
-                f"{type(optimizer).__name__} computes each step from whole parameters, but "
-                f"'{name}' is split over ranks: each rank would step it from its own rows and "
-                "the ranks' weights would drift apart. Use an optimizer that works element "
-                "by element (AdamW, Adam, SGD, RMSprop, Adagrad), gtp_wrap.optim.Muon for "
-                "Muon, or keep these weights whole (a LayerRule with action='replicate')"
-            )
+            if (isinstance(w, ShardedWeight) and w.axis.size > 1) or (
+                isinstance(w, CastWeight) and w.tp is not None
+            ):
+                raise WrapError(
+                    f"{type(optimizer).__name__} computes each step from whole parameters, but "
+                    f"'{w.fqn}' is split over ranks: each rank would step it from its own rows and "
+                    "the ranks' weights would drift apart. Use an optimizer that works element "
+                    "by element (AdamW, Adam, SGD, RMSprop, Adagrad), gtp_wrap.optim.Muon for "
+                    "Muon, or keep these weights whole (a LayerRule with action='replicate')"
+                )
 
 
 def install_process_hooks() -> None:

@@ -12,11 +12,11 @@ parameters are DTensors and so is their state. Here each optimizer gets two hook
 `state_dict()` gives the per-element state of managed weights as DTensors of the weight's
 layout (as `model.state_dict()` gives the weights), and `load_state_dict` takes DTensors of any
 layout, or full tensors, back to this rank's part. torch has no hook at an optimizer's
-construction, so they are registered at its first step, from a process-wide step hook; state
-an optimizer loaded before that step (DTensors or full tensors, kept as they came) is converted
-then. torch's
-`get_state_dict` and `set_state_dict` step an optimizer without state first, so they always
-find the hooks.
+construction, so they are registered at its first step, from a process-wide step hook, and by
+`gtp_wrap.checkpoint.load`; state an optimizer loaded before that (DTensors or full tensors,
+kept as they came) is converted then. torch's `get_state_dict` and `set_state_dict` step an
+optimizer without state first, so they find the hooks, except on one that made its state at
+construction (Adagrad) and has neither stepped nor loaded through `gtp_wrap.checkpoint`.
 """
 
 from __future__ import annotations
@@ -81,9 +81,8 @@ def _shards_with_weight(param: torch.Tensor, w: ManagedWeight, key: str, value: 
         return True
     if value.dim() == 0:
         return False
-    name = w.fqns[0] if type(w) is ShardedWeight else w.fqn
     raise WrapError(
-        f"the optimizer's '{key}' state of '{name}' has shape {tuple(value.shape)}, not the "
+        f"the optimizer's '{key}' state of '{w.fqn}' has shape {tuple(value.shape)}, not the "
         f"parameter's {tuple(param.shape)}: state that is not per element (a factored second "
         "moment) holds statistics of this rank's rows alone, so it cannot be saved for another "
         "layout, nor under one key for all ranks. Use an optimizer whose state is per element, "
