@@ -13,7 +13,7 @@ and checkpoints in io/. Each layer imports only the ones below it.
 import sys
 
 from .api import GTPWrap, no_sync, reset_stats, stats
-from .clip import clip_grad_norm_
+from .clip import clip_grad_norm_, grad_norm
 from .compilation import compile, gather_per_block
 from .config.policy import GTPPolicy, LayerRule
 from .describe import Description, ParameterRow, describe
@@ -61,6 +61,7 @@ __all__ = [
     "WrapError",
     "checkpoint",
     "clip_grad_norm_",
+    "grad_norm",
     "compile",
     "describe",
     "full_state_dict",

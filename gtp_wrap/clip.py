@@ -21,15 +21,42 @@ def clip_grad_norm_(
     """Clip the grads of a wrapped module in place; return the total norm before clipping.
 
     The arguments are `torch.nn.utils.clip_grad_norm_`'s, with the module in place of its
-    parameters. Sharded grads are disjoint across the GTP group and identical across dp, so
-    their part of the norm is reduced over the GTP group only; a tensor-parallel weight's
-    (sharded by torch's TP) is disjoint across tp too, and reduced over it as well; replicated
-    grads are the same on every rank and enter once. Expert stacks' grads are disjoint over
-    egtp and ep, and reduced over both.
+    parameters; the norm is `grad_norm`'s. A collective: every rank calls it.
     """
+    total, with_grad = _total_norm(module, float(norm_type), foreach)
+    if error_if_nonfinite and not torch.isfinite(total):  # every rank sees the same total
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+            "cannot be clipped; set error_if_nonfinite=False to clip anyway"
+        )
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach)
+    return total
+
+
+def grad_norm(
+    module: nn.Module, norm_type: float = 2.0, foreach: bool | None = None
+) -> torch.Tensor:
+    """The total norm of a wrapped module's gradients, over every rank's shards: what
+    `torch.nn.utils.get_total_norm` gives for the unwrapped model's gradients (which over a
+    sharded model's `.grad`s would be each rank's norm of its own rows). For logging; a
+    collective: every rank calls it.
+
+    Sharded grads are disjoint across the GTP group and identical across dp, so their part of
+    the norm is reduced over the GTP group only; a tensor-parallel weight's (sharded by
+    torch's TP) is disjoint across tp too, and reduced over it as well; replicated grads are
+    the same on every rank and enter once. Expert stacks' grads are disjoint over egtp and ep,
+    and reduced over both.
+    """
+    return _total_norm(module, float(norm_type), foreach)[0]
+
+
+def _total_norm(
+    module: nn.Module, norm_type: float, foreach: bool | None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`grad_norm`, and the parameters that have a gradient."""
     engine = engine_of(module)
     mesh = engine.mesh
-    norm_type = float(norm_type)
     inf = norm_type == float("inf")
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     with torch._C.DisableTorchFunctionSubclass():
@@ -39,7 +66,7 @@ def clip_grad_norm_(
         split_by_tp |= {
             id(c.param) for c in engine.casts.cast_weights if c.tp is not None and c.tp.sharded
         }
-        with_grad = [p for p in module.parameters() if p.grad is not None]
+        with_grad: list[torch.Tensor] = [p for p in module.parameters() if p.grad is not None]
         # By where their grads differ: over gtp and tp, over gtp, over tp, nowhere.
         parts: list[list[torch.Tensor]] = [[], [], [], []]
         for p in with_grad:
@@ -71,13 +98,7 @@ def clip_grad_norm_(
             total = combine(total, over_experts)
         if not inf:
             total = total.pow(1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):  # every rank sees the same total
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
-                "cannot be clipped; set error_if_nonfinite=False to clip anyway"
-            )
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach)
-    return total
+    return total, with_grad
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from models import CalledTwice, ConvNet, OutsideRead, SameShapeReads, TinyGPT
 from torch import nn
+from torch.nn.utils import get_total_norm
 
 import gtp_wrap
 
@@ -122,6 +123,14 @@ def train_case(
             total += loss.item()
         out["losses"].append(total)
         if case.clip is not None:
+            # The norm alone (for logging), as torch's get_total_norm gives it unwrapped.
+            out["norms"].append(
+                float(gtp_wrap.grad_norm(model))
+                if wrapped
+                else float(
+                    get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+                )
+            )
             norm = (
                 gtp_wrap.clip_grad_norm_(model, case.clip)
                 if wrapped

@@ -131,6 +131,49 @@ def test_deepcopy_of_a_wrapped_module_names_the_alternatives() -> None:
         copy.deepcopy(model)
 
 
+@pytest.mark.parametrize("how", ["double", "half", "to_bfloat16", "to_empty", "data"])
+def test_replacing_a_weights_data_after_wrapping_is_refused(how: str) -> None:
+    """The engine reads the storage laid out at wrap: a rebound `.data` (which Module.to and
+    friends do) left the forward on the old values while the optimizer stepped the new."""
+    model = GTPWrap(_mlp(), {"min_shard_numel": 0})
+    weight = model[0].weight
+    rebind = {
+        "double": model.double,
+        "half": model.half,
+        "to_bfloat16": lambda: model.to(torch.bfloat16),
+        "to_empty": lambda: model.to_empty(device="cpu"),
+        "data": lambda: setattr(weight, "data", weight.data * 0.5),
+    }[how]
+    with pytest.raises(WrapError, match=r"'0\.weight' had its \.data replaced.*before wrapping"):
+        rebind()
+
+
+def test_moves_that_change_nothing_after_wrapping_keep_training_exact() -> None:
+    """`.float()` of an fp32 model and `.to` its own device rebind each parameter to itself."""
+    ref, model = _mlp(), GTPWrap(_mlp(), {"min_shard_numel": 0})
+    model.float().to("cpu").train()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for m, opt in zip((ref, model), opts):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    full = gtp_wrap.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("what", ["model", "submodule"])
+def test_pickling_a_wrapped_module_names_the_alternatives(what: str) -> None:
+    import io
+
+    model = GTPWrap(_mlp(), {"min_shard_numel": 0})
+    with pytest.raises(WrapError, match="cannot be pickled.*full_state_dict"):
+        torch.save(model if what == "model" else model[0], io.BytesIO())
+
+
 class _RankOrder(nn.Module):
     """Uses its two same-shape weights in a rank-dependent order."""
 

@@ -14,6 +14,7 @@ import functools
 import importlib
 import sys
 import types
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,7 @@ _graph_task_id = torch._C._current_graph_task_id
 # managed parameter outside passes costs, an optimizer step's attribute reads included.
 _plain = torch._C._disabled_torch_function_impl
 _NO_KWARGS: dict = {}  # never written: `func` gets its keywords unpacked
+_TENSOR_DATA: Any = torch._C.TensorBase.data  # the getter and setter GTPParameter.data wraps
 
 
 class OpenPasses:
@@ -107,6 +109,41 @@ class GTPParameter(nn.Parameter):
                 return func(*args, **kwargs)
             return runtime.use(func, args, kwargs)
 
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self, GTPParameter)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """[Note: replacing a parameter's data] The engine reads a weight through the storage
+        it laid out at wrap (a sharded weight's rows of the flat storage, a replicated
+        weight's compute-dtype copy); `p.data = t` rebinds only the parameter, so the
+        optimizer and state dicts would follow `t` while every forward kept using the old
+        values, silently. `Module.to(dtype)`, `.half()`, `.double()` and `.to(device)` after
+        wrapping do exactly that. A rebind to the tensor already there (`.float()` of an fp32
+        model, `.to` its own device) changes nothing and passes."""
+        if not (
+            isinstance(value, torch.Tensor)
+            and value.data_ptr() == self.data_ptr()
+            and value.dtype == self.dtype
+            and value.device == self.device
+            and value.shape == self.shape
+            and value.stride() == self.stride()
+        ):
+            raise WrapError(
+                f"'{self.gtp_weight.fqn}' had its .data replaced after GTPWrap (by `p.data = "
+                "t`, or by model.to(dtype or device), .half(), .double(), .to_empty() on the "
+                "wrapped model): the engine keeps reading the storage laid out at wrap, so "
+                "the forward would silently use the old values. Move and cast the model "
+                "before wrapping; to change values, write in place under torch.no_grad() "
+                "(p.copy_(t) with this rank's rows), or load a full state dict with "
+                "gtp_wrap.load_full_state_dict(model, state)"
+            )
+        _TENSOR_DATA.__set__(self, value)
+
+    def __reduce_ex__(self, protocol):  # type: ignore[override]
+        refuse_pickling(f"'{self.gtp_weight.fqn}', a parameter of a wrapped module,")
+
     def register_hook(self, hook):  # type: ignore[override]
         weight = self.gtp_weight
         if type(weight) is not ShardedWeight:
@@ -135,6 +172,17 @@ class GTPParameter(nn.Parameter):
                 hook(p)
 
         return super().register_post_accumulate_grad_hook(on_the_parameter)
+
+
+def refuse_pickling(what: str) -> NoReturn:
+    """A wrapped module and its parameters hold one rank's rows and the engine's process
+    groups; pickling them would fail inside pickle on a process group, naming neither."""
+    raise WrapError(
+        f"{what} cannot be pickled (torch.save(model), pickle.dumps): it holds this rank's "
+        "rows of the weights and the engine's process groups. Save model.state_dict() with "
+        "torch.distributed.checkpoint or gtp_wrap.checkpoint.save, or torch.save "
+        "gtp_wrap.full_state_dict(model) on one rank"
+    )
 
 
 def _refuse_per_rank_clip(weight: ShardedWeight) -> None:

@@ -21,7 +21,7 @@ import itertools
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from ..comm.watch import Watch
 from ..config.plan import ParameterPlan
 from ..config.policy import GTPPolicy
 from ..core.build import build, check_ranks_agree, install_process_hooks
-from ..core.parameter import resume_in_backward
+from ..core.parameter import refuse_pickling, resume_in_backward
 from ..core.weight import ShardedWeight
 from ..errors import GraphCaptureError, WrapError
 from ..mesh import GTPMesh, with_replicated_apart
@@ -213,6 +213,9 @@ class GTPEngine:
             "GTPWrap and wrap the copy too, or load gtp_wrap.full_state_dict(model) into a "
             "fresh unwrapped model"
         )
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        refuse_pickling("a wrapped module")
 
     def run_on_gathered_weights(self, block: nn.Module, forward: Callable) -> None:
         """Run `block` as `forward(block, ...)` (its class's forward, compiled or not) on its
