@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -375,3 +376,56 @@ def test_a_penalty_on_shards_outside_the_forward_is_refused_in_backward() -> Non
         named = ("'0.weight' got a gradient through an op outside",
                  "'2.weight' got a gradient through an op outside")  # fmt: skip
         assert all(e.startswith(named) for e in errors), errors
+
+
+class _ReadsItsWeights(nn.Module):
+    """Reads `.data` of a weight in its forward, and (through a forward hook the test adds
+    after wrapping) a weight's norm under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.a.weight.data.norm()  # a statistic, no gradient wanted
+        return self.c(torch.tanh(self.a(x) / scale))
+
+
+def _scale_by_weight_norm(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        scale = module.c.weight.norm()
+    return out * scale
+
+
+def _reads_in_forward_and_hooks(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = _ReadsItsWeights()
+    model = GTPWrap(copy.deepcopy(ref), {"min_shard_numel": 0})
+    for m in (ref, model):  # registered after wrapping: it runs after the engine's own hook
+        m.register_forward_hook(_scale_by_weight_norm)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    x = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(1))
+    rows = slice(2 * rank, 2 * rank + 2)
+    losses = []
+    for _ in range(3):
+        step = []
+        for m, opt, inp in zip((ref, model), opts, (x, x[rows])):
+            loss = m(inp).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step.append(loss.detach())
+        dist.all_reduce(step[1])
+        losses.append((step[0].item(), step[1].item() / world))
+    with torch.no_grad():
+        out = (model(x) - ref(x)).abs().max().item() / ref(x).abs().max().item()
+    return {"losses": losses, "out": out}
+
+
+def test_weights_read_through_data_and_in_hooks_added_after_wrapping_are_full() -> None:
+    """Both read this rank's rows before, silently: `.data` in a forward, and a forward hook
+    that ran after the pass had closed."""
+    for r in run_ranks(_reads_in_forward_and_hooks, 2, timeout=120):
+        for ref, got in r["losses"]:
+            assert got == pytest.approx(ref, rel=1e-5)
+        assert r["out"] < 1e-5

@@ -43,8 +43,11 @@ _META_FUNCS = frozenset(
         torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
     }
 )
-# Attribute getters that return a tensor computed from the weight: they are uses.
-_TENSOR_GETTERS = frozenset(getattr(torch.Tensor, name).__get__ for name in ("T", "mT", "H", "mH"))
+# Attribute getters that return a tensor computed from the weight: they are uses (`.data` read
+# in a forward is the gathered weight, detached, as `.detach()` would be).
+_TENSOR_GETTERS = frozenset(
+    getattr(torch.Tensor, name).__get__ for name in ("T", "mT", "H", "mH", "data")
+)
 _ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
 _GRAD_GET = frozenset({torch.Tensor.grad.__get__})  # type: ignore[union-attr]
 _TORCH_CLIP_FILE = sys.modules["torch.nn.utils.clip_grad"].__file__

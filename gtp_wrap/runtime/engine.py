@@ -201,8 +201,6 @@ class GTPEngine:
         # the next step's buffers from the same cached blocks. A graph_step sets keep_buffers
         # for good: from its warm-up on, the buffers its capture will read must exist and stay.
         self.keep_buffers = False
-        root.register_forward_pre_hook(self.open_forward, with_kwargs=True)
-        root.register_forward_hook(self.close_forward, always_call=True)
         self.owners = Owners(root, [m for plan in plans for m, _ in plan.owners], self)
         self._gathered_blocks: list[nn.Module] = []  # run on gathered weights (blocks.py)
 

@@ -51,6 +51,9 @@ class Owners:
         self._opened: list[bool] = []  # per hooked call in progress: whether it opened a pass
         self._names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
         self._hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        # The root's forward opens the model's passes, whatever else is open.
+        root.register_forward_pre_hook(self._open_root, with_kwargs=True)
+        self._root_close = root.register_forward_hook(engine.close_forward, always_call=True)
         for module in owners:
             if module is not root and id(module) not in self._hooks:
                 self._hook(module)
@@ -98,8 +101,14 @@ class Owners:
         engine.close_abandoned_backward()
         return not engine.passes.stack and _graph_task_id() == -1
 
+    def _open_root(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
+        _span_hooks(module, self._root_close)
+        return self._engine.open_forward(module, args, kwargs)
+
     def _pre(self, module: nn.Module, args: Any, kwargs: dict) -> Any:
         opened = self._opens(module)
+        if opened:
+            _span_hooks(module, self._hooks[id(module)][1])
         self._opened.append(opened)
         if not opened:
             return None
@@ -108,3 +117,16 @@ class Owners:
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._opened and self._opened.pop():
             self._engine.close_forward(module, args, output)
+
+
+def _span_hooks(module: nn.Module, close: RemovableHandle) -> None:
+    """[Note: a pass spans its module's forward hooks] A pass opens in its module's forward
+    pre-hook and closes in its forward hook, both registered at wrap. A forward hook the user
+    registers later would run after ours, once the pass closed, where a sharded weight holds
+    this rank's rows: reading one there under no_grad (a statistic that scales the output)
+    would silently use them. So the closing hook is moved back to the end whenever one follows
+    it (two dict reads per pass). Pre-hooks keep their order: one registered before wrapping
+    (a library's input conversion) runs before the pass opens, as it always did."""
+    hooks = module._forward_hooks
+    if next(reversed(hooks)) != close.id:
+        hooks[close.id] = hooks.pop(close.id)
