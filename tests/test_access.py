@@ -429,3 +429,49 @@ def test_weights_read_through_data_and_in_hooks_added_after_wrapping_are_full() 
         for ref, got in r["losses"]:
             assert got == pytest.approx(ref, rel=1e-5)
         assert r["out"] < 1e-5
+
+
+class _MyLinear(torch.autograd.Function):
+    """A user's own autograd Function taking a weight (a fused kernel, say)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+class _CustomFunctionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The README's recipe: a custom Function gets the weight through a use (view_as),
+        # the gathered weight wired to the reducer, not the parameter itself.
+        w = self.a.weight.view_as(self.a.weight)
+        return self.c(torch.tanh(_MyLinear.apply(x, w) + self.a.bias))
+
+
+def _custom_function(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = _CustomFunctionNet()
+    model = GTPWrap(copy.deepcopy(ref), {"min_shard_numel": 0})
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ref, model)]
+    x = torch.randn(2 * world, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for m, opt, inp in zip((ref, model), opts, (x, x[2 * rank : 2 * rank + 2])):
+            m(inp).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    full = gtp_wrap.full_state_dict(model)
+    return {k: (full[k] - v).abs().max().item() for k, v in ref.state_dict().items()}
+
+
+def test_a_custom_autograd_function_given_the_weight_through_a_use_trains_exactly() -> None:
+    for r in run_ranks(_custom_function, 2, timeout=120):
+        assert max(r.values()) < 1e-6, r

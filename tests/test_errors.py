@@ -174,6 +174,32 @@ def test_pickling_a_wrapped_module_names_the_alternatives(what: str) -> None:
         torch.save(model if what == "model" else model[0], io.BytesIO())
 
 
+@pytest.mark.parametrize("how", ["grad", "jvp", "vmap_with_autograd"])
+def test_torch_func_transforms_are_refused_and_vmap_without_autograd_is_exact(how: str) -> None:
+    """Each failed inside the engine (saved-tensor hooks, autograd Functions without
+    setup_context); vmap without autograd needs neither."""
+    ref, model = _mlp(), GTPWrap(_mlp(), {"min_shard_numel": 0})
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    transform = {
+        "grad": lambda: torch.func.grad(lambda t: model(t).sum())(x),
+        "jvp": lambda: torch.func.jvp(model, (x,), (torch.ones_like(x),)),
+        "vmap_with_autograd": lambda: torch.func.vmap(model)(x),
+    }[how]
+    with pytest.raises(WrapError, match="torch.func transform.*vmap works under torch.no_grad"):
+        transform()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.func.vmap(model)(x), ref(x), rtol=1e-6, atol=1e-7)
+    model(x).sum().backward()  # the engine goes on after a refusal
+
+
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+def test_an_embedding_with_sparse_gradients_is_refused_at_wrap(kind: str) -> None:
+    """Its backward failed inside the engine, sharded or replicated."""
+    embedding = getattr(nn, kind)(20, 8, sparse=True)
+    with pytest.raises(WrapError, match=f"'0.weight' belongs to an {kind} with sparse=True"):
+        GTPWrap(nn.Sequential(embedding, nn.Linear(8, 3)), {"min_shard_numel": 0})
+
+
 class _RankOrder(nn.Module):
     """Uses its two same-shape weights in a rank-dependent order."""
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ..errors import PolicyError, PolicyWarning
+from ..errors import PolicyError, PolicyWarning, WrapError
 from .policy import DEFAULT_RULES, GTPPolicy, LayerRule, TPStyle
 
 # A parameter's owners: (its FQN through that owner, the owning module, its name there).
@@ -83,6 +83,7 @@ def plan_parameters(
     plans = []
     for key, p in params.items():
         entries = owners[key]
+        _refuse_sparse_gradients(entries)
         matching = [
             i
             for i, rule in enumerate(policy.rules)
@@ -131,6 +132,19 @@ def plan_parameters(
             )
     _check_something_sharded(module, policy, plans)
     return plans
+
+
+def _refuse_sparse_gradients(entries: _Entries) -> None:
+    """An embedding with `sparse=True` gives a sparse gradient, which neither a weight's
+    reduce-scatter nor the replicated weights' bucketed all-reduce can take (each failed in
+    backward, inside the engine)."""
+    for fqn, mod, _ in entries:
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
+            raise WrapError(
+                f"'{fqn}' belongs to an {type(mod).__name__} with sparse=True, whose sparse "
+                "gradients GTP cannot reduce (sharded or replicated): build it with "
+                "sparse=False (dense gradients, which AdamW and most optimizers need anyway)"
+            )
 
 
 def _decide(

@@ -26,6 +26,8 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from ..core.parameter import GTPParameter
 from ..core.weight import CastWeight, ShardedWeight
@@ -148,4 +150,22 @@ def _refuse(where: str) -> NoReturn:
         "gtp_wrap.compile(model) (or gtp_wrap.compile(model, blocks=[...])): each block then "
         "runs compiled on its gathered weights. Compile before wrapping does not work either; "
         "wrap first, then call gtp_wrap.compile"
+    )
+
+
+def refuse_transforms() -> None:
+    """[Note: torch.func transforms] A forward under functorch's transforms (torch.func.grad,
+    vjp, jvp, jacrev, vmap with autograd) cannot run the engine: its passes save through
+    saved-tensor hooks, which functorch's grad transforms refuse, and route gradients through
+    autograd Functions without the `setup_context` that vmap and jvp require, so each failed
+    inside the engine. `vmap` without autograd runs (no hooks, no Functions); the rest is
+    refused here, before anything is gathered."""
+    kinds = {i.key() for i in retrieve_all_functorch_interpreters()}
+    if kinds <= {TransformType.Vmap} and not torch.is_grad_enabled():
+        return
+    raise WrapError(
+        "a wrapped model's forward ran under a torch.func transform (grad, vjp, jvp, jacrev, "
+        "or vmap with autograd), which the engine's gathers cannot run under. torch.func.vmap "
+        "works under torch.no_grad(); for gradients, call backward() on the batch (per-sample "
+        "gradients: one backward per sample), or transform the unwrapped model"
     )

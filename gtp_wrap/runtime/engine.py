@@ -40,7 +40,7 @@ from ..mesh import GTPMesh, with_replicated_apart
 from ..parallel.experts import EPLayout, ExpertDispatch
 from ..parallel.tensor import TPLayout
 from ..precision.encoding import Precision
-from .blocks import GatheredBlock, refuse_tracing
+from .blocks import GatheredBlock, refuse_tracing, refuse_transforms
 from .casts import Casts, install_optimizer_hook
 from .chain import PassKind, PassState
 from .gather import Gatherer
@@ -255,6 +255,8 @@ class GTPEngine:
         """Open a forward pass of `module` (its forward pre-hook); returns converted inputs."""
         if torch.compiler.is_compiling():
             refuse_tracing("the forward hooks of a wrapped model")
+        if torch._C._are_functorch_transforms_active():
+            refuse_transforms()
         self.close_abandoned_backward()  # a forward inside backward nests in its pass
         if self.watch.failure is not None and not self.passes.stack:
             agree_to_resume(self.agreement)  # see [Note: a pass after a failure]
