@@ -142,6 +142,10 @@ def test_a_rule_matching_nothing_warns_with_close_matches() -> None:
     # A module's FQN matches none of its parameters: the hint is its glob.
     with pytest.warns(PolicyWarning, match=r"rule 'head' matched no.*did you mean 'head\.\*'"):
         plan_parameters(model, GTPPolicy(rules=(LayerRule("head"), LayerRule("Conv2d"))))
+    # The class is there, its parameters 1-D: the hint says why, not a near name.
+    norms = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    with pytest.warns(PolicyWarning, match=r"'BatchNorm1d' matched no.*all 1-D.*by its FQN"):
+        plan_parameters(norms, GTPPolicy(rules=(LayerRule("BatchNorm1d"), LayerRule("Linear"))))
     with pytest.raises(PolicyError, match="strict rule 'Linaer'.*drop strict=True"):
         plan_parameters(model, GTPPolicy(rules=(LayerRule("Linaer", strict=True),)))
     with pytest.raises(PolicyError, match=r"rule 'Linaer'.*drop GTPPolicy.strict"):

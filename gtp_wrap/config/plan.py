@@ -252,6 +252,12 @@ def _close_matches(rule: LayerRule, module: nn.Module) -> str:
         if c not in (nn.Module, object)
     }
     prefix, _, last = rule.match.rpartition(".")
+    if not rule.is_fqn_glob and (last if prefix else rule.match) in classes:
+        # The class is there: its parameters are all 1-D, which a class rule never shards.
+        return (
+            " (its modules' parameters are all 1-D: a class rule shards parameters of two or "
+            "more dims; name a 1-D parameter by its FQN to shard it)"
+        )
     if prefix and last[:1].isupper() and not rule.is_fqn_glob:  # a dotted class path
         close = [f"{prefix}.{c}" for c in difflib.get_close_matches(last, sorted(classes))]
     else:
