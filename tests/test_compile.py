@@ -543,6 +543,9 @@ def test_no_default_blocks_and_fp8_gemms_on_gathered_blocks_are_named() -> None:
     no_list = GTPWrap(torch.nn.Sequential(torch.nn.Linear(64, 64)), POLICY)
     with pytest.raises(WrapError, match="the items of its nn.ModuleLists, and it has none"):
         gtp_wrap.gather_per_block(no_list)
+    listed = GTPWrap(_gpt(), POLICY)  # a container given as a block took no effect, silently
+    with pytest.raises(WrapError, match="a ModuleList passed in blocks is a container"):
+        gtp_wrap.gather_per_block(listed, blocks=[listed.blocks])
     for run_blocks in (gtp_wrap.compile, gtp_wrap.gather_per_block):
         with pytest.warns(UserWarning, match="fp8_matmul runs FP8 GEMMs for per-use gathers only"):
             run_blocks(GTPWrap(_gpt(), FP8_GEMM))

@@ -259,21 +259,27 @@ def test_bad_inputs_across_ranks() -> None:
     assert "spans 1 ranks but the world has 2" in results[0]["mesh_size"]
 
 
-def _missing_peer(rank: int, world: int) -> str:
+def _missing_peer(rank: int, world: int) -> tuple[float, str]:
     torch.manual_seed(0)
-    model = GTPWrap(nn.Linear(8, 8), {"min_shard_numel": 0, "collective_timeout_s": 2})
+    model = GTPWrap(_three_layers(), {"min_shard_numel": 0, "collective_timeout_s": 2})
+    model(torch.randn(2, 8)).sum().backward()  # a recorded chain: step 1 prefetches
     if rank == 1:
-        time.sleep(4)  # rank 1 is late: rank 0's gather must time out, not hang
-    return caught(lambda: model(torch.randn(2, 8)))
+        time.sleep(5)  # rank 1 is late: rank 0's gather must time out, not hang
+    began = time.monotonic()
+    got = caught(lambda: model(torch.randn(2, 8)))
+    return time.monotonic() - began, got
 
 
 _missing_peer.leaves_group_broken = True  # type: ignore[attr-defined]
 
 
 def test_missing_peer_times_out_naming_the_weight() -> None:
-    rank0, rank1 = run_ranks(_missing_peer, 2, timeout=120)
+    (seconds, rank0), (_, rank1) = run_ranks(_missing_peer, 2, timeout=120)
     assert rank0.startswith(CollectiveTimeoutError.__name__), rank0
-    assert "all-gather of 'weight' (forward pass, step 0) did not complete within 2s" in rank0
+    assert "'0.weight' ... '4.weight' (3 weights, forward pass, step 1) did not complete " in rank0
+    assert "within 2s" in rank0
+    # Once, not twice: the failed pass waited for its prefetched gathers again before.
+    assert seconds < 3.5, seconds
     # The late rank finds that rank 0 gave up, and why: an error on every rank, a hang on none.
     assert rank1.startswith(PeerFailedError.__name__), rank1
     assert "rank 0 failed while waiting for its peers with CollectiveTimeoutError" in rank1
@@ -378,13 +384,35 @@ def _three_layers() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
 
 
+class _SkipsABlock(nn.Module):
+    """Three same-shape blocks and a head of another shape, run through the root's forward,
+    so the chain gathers them in groups; `skip` leaves the middle block out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.out = nn.Linear(8, 4)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not (self.skip and i == 1):
+                x = torch.tanh(block(x))
+        return self.out(x)
+
+
 def _diverging(rank: int, world: int, how: str) -> tuple[float, str]:
-    model = GTPWrap(_three_layers(), {"min_shard_numel": 0, "collective_timeout_s": 60})
+    net = _SkipsABlock() if how == "block_skipped_in_the_forward" else _three_layers()
+    model = GTPWrap(net, {"min_shard_numel": 0, "collective_timeout_s": 60})
     x = torch.randn(2, 8)
 
     def steps() -> None:
         for step in range(3):
-            if how == "eval_on_rank_0":
+            if how == "block_skipped_in_the_forward":  # on rank 1 at step 2, after the chain
+                net.skip = rank == 1 and step == 2  # type: ignore[assignment]
+                model(x).sum().backward()
+            elif how == "eval_on_rank_0":
                 model(x).sum().backward()
                 if rank == 0:  # evaluation on one rank only
                     with torch.no_grad():
@@ -402,8 +430,12 @@ def _diverging(rank: int, world: int, how: str) -> tuple[float, str]:
 _diverging.leaves_group_broken = True  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("how", ["eval_on_rank_0", "layer_skipped_on_rank_1"])
+@pytest.mark.parametrize(
+    "how", ["eval_on_rank_0", "layer_skipped_on_rank_1", "block_skipped_in_the_forward"]
+)
 def test_ranks_that_diverge_are_named_within_seconds(how: str) -> None:
+    """The third gathered a group of weights on rank 0 against one weight on rank 1: gloo
+    aborted both processes on the sizes before any check could name the ranks."""
     (t0, got0), (t1, got1) = run_ranks(_diverging, 2, how, timeout=120)
     assert max(t0, t1) < _FAST_S, (t0, t1)
     # The rank that sees the deadlock first names both sides; its peer reports that rank's error.
@@ -413,6 +445,9 @@ def test_ranks_that_diverge_are_named_within_seconds(how: str) -> None:
     if how == "eval_on_rank_0":
         assert "evaluation forward pass (no grad) of step 1" in first, first
         assert "backward pass, step 1" in first, first
+    elif how == "block_skipped_in_the_forward":
+        assert "rank 1 waits for the check that every rank left the recorded order" in first
+        assert "forward pass of step 2" in first, first
     else:
         assert "the ranks' collectives no longer pair" in first, first
         assert "all-gather of '2.weight' (forward pass, step 1)" in first, first

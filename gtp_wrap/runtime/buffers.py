@@ -106,6 +106,15 @@ class GatherBufferPool:
         buf.gathering = False
         buf.settle()
 
+    def forget(self, buf: GatherBuffer) -> None:
+        """Drop `buf` from the pool for good: a gather into it may complete late, or never (its
+        pass failed), and would write into whatever it was handed to next."""
+        for buffers in self._by_key.values():
+            if buf in buffers:
+                buffers.remove(buf)
+        self._by_ptr.pop(buf.data_ptr, None)
+        self.total_bytes -= buf.nbytes
+
     def release_free(self) -> None:
         """Drop the free buffers: the allocator has the memory until the next reserve."""
         for key, buffers in self._by_key.items():

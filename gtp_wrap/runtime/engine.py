@@ -329,8 +329,7 @@ class GTPEngine:
         state = self.passes.pop()
         self.gatherer.release_held()
         if failed:
-            with contextlib.suppress(Exception):
-                self.gatherer.drain(state)
+            self.gatherer.abandon(state)
             return
         self.gatherer.drain(state)
         self.passes.record(state)

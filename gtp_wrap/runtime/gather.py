@@ -176,6 +176,7 @@ class Gatherer(Part):
             if state.chain is not None and not state.diverged:
                 state.diverged = True
                 self.drain(state)
+                self.passes.agree_to_diverge(state, w.index)
             (gather,) = self._issue(state, [w])
             blocking = True
         state.recorded.append(w.index)
@@ -240,6 +241,14 @@ class Gatherer(Part):
             self.comm.wait(gather.pending)
             self.pool.hand_out(gather.buffer)
             self.stats.prefetched_gathers += 1
+
+    def abandon(self, state: PassState) -> None:
+        """Forget the gathers a failed pass left in flight, without waiting for them: after a
+        collective failed (a peer gone, stuck or diverged) they may never complete, and
+        waiting would take a second full `collective_timeout_s` before the error reached the
+        user. Their buffers leave the pool (see `GatherBufferPool.forget`)."""
+        while state.inflight:
+            self.pool.forget(state.inflight.popleft().buffer)
 
     # ---- backward rematerialize ---------------------------------------------------------
 

@@ -102,6 +102,35 @@ class Passes:
             )
         self.chains[state.key] = Chain.build(state.recorded, self._weights, self._group_numel)
 
+    def agree_to_diverge(self, state: PassState, index: int) -> None:
+        """Before a pass leaves its chain at a use of weight `index`: every rank leaves it at the
+        same use, or all raise ChainMismatchError.
+
+        [Note: leaving the chain together] A rank whose use the chain did not expect gathers
+        that weight on its own, while a peer that still follows the chain issues its next
+        group's gather: the two collectives pair, with different sizes where the group held
+        more weights than one, and gloo aborts the process ("Received data size doesn't match
+        expected size"; NCCL mixes data or hangs) before the pass-end check could name the
+        ranks. So the ranks first meet at this check, through the store, with where each left
+        the chain. Where all left it alike (a branch every rank took) they go on and record
+        anew; a peer that did not come waits in a collective this rank never issues, which
+        the watch on both sides names as a deadlock within seconds. Passes leave their chains
+        only when the model's access pattern changes, so steady steps never pay for it."""
+        which = state.describe(self._step())
+        what = f"the check that every rank left the recorded order of weights alike in {which}"
+        purpose = f"diverge-{state.kind.value}-{state.scope}-{state.opener}"
+        per_rank = self._agreement.exchange(purpose, [state.cursor, index], what)
+        if first_difference(per_rank) is not None:
+            uses = ", ".join(
+                f"rank {r}: use #{cursor} '{self._weights[i].fqn}'"
+                for r, (cursor, i) in enumerate(per_rank)
+            )
+            raise ChainMismatchError(
+                f"ranks left the recorded order of weights differently in {which} ({uses}). GTP "
+                "gathers weights collectively, so every rank must run the same weights in the "
+                "same order (make data-dependent branches agree across ranks)"
+            )
+
     def region_weights(self, scope: str) -> set[int]:
         """The weights (indices) the passes of a graphed region's scope use."""
         kinds = (PassKind.FORWARD, PassKind.BACKWARD)
