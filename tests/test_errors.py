@@ -403,14 +403,16 @@ class _SkipsABlock(nn.Module):
 
 
 def _diverging(rank: int, world: int, how: str) -> tuple[float, str]:
-    net = _SkipsABlock() if how == "block_skipped_in_the_forward" else _three_layers()
+    skips = how.startswith("block_skipped")
+    net = _SkipsABlock() if skips else _three_layers()
     model = GTPWrap(net, {"min_shard_numel": 0, "collective_timeout_s": 60})
     x = torch.randn(2, 8)
 
     def steps() -> None:
         for step in range(3):
-            if how == "block_skipped_in_the_forward":  # on rank 1 at step 2, after the chain
-                net.skip = rank == 1 and step == 2  # type: ignore[assignment]
+            if skips:  # on rank 1, at step 2 (after the chain is recorded) or at step 0
+                at = 0 if how == "block_skipped_in_the_first_step" else 2
+                net.skip = rank == 1 and step == at  # type: ignore[assignment]
                 model(x).sum().backward()
             elif how == "eval_on_rank_0":
                 model(x).sum().backward()
@@ -431,11 +433,17 @@ _diverging.leaves_group_broken = True  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
-    "how", ["eval_on_rank_0", "layer_skipped_on_rank_1", "block_skipped_in_the_forward"]
+    "how",
+    [
+        "eval_on_rank_0",
+        "layer_skipped_on_rank_1",
+        "block_skipped_in_the_forward",
+        "block_skipped_in_the_first_step",
+    ],
 )
 def test_ranks_that_diverge_are_named_within_seconds(how: str) -> None:
-    """The third gathered a group of weights on rank 0 against one weight on rank 1: gloo
-    aborted both processes on the sizes before any check could name the ranks."""
+    """The last two paired gathers of weights of different sizes (a group against one weight,
+    the head against a block): gloo aborted both processes before any check named the ranks."""
     (t0, got0), (t1, got1) = run_ranks(_diverging, 2, how, timeout=120)
     assert max(t0, t1) < _FAST_S, (t0, t1)
     # The rank that sees the deadlock first names both sides; its peer reports that rank's error.
@@ -444,10 +452,16 @@ def test_ranks_that_diverge_are_named_within_seconds(how: str) -> None:
     assert second.startswith(("ChainMismatchError", "PeerFailedError")), second
     if how == "eval_on_rank_0":
         assert "evaluation forward pass (no grad) of step 1" in first, first
-        assert "backward pass, step 1" in first, first
+        # Its first gather meets rank 1's next training forward (an unplanned gather agrees
+        # first), not rank 1's backward as before.
+        assert "forward pass, step 1" in first, first
     elif how == "block_skipped_in_the_forward":
         assert "rank 1 waits for the check that every rank left the recorded order" in first
         assert "forward pass of step 2" in first, first
+    elif how == "block_skipped_in_the_first_step":  # every rank raises at once, alike
+        assert "gathered different weights at use #1 of the forward pass of step 0" in first
+        assert "'blocks.1.weight'" in first and "'blocks.2.weight'" in first, first
+        assert second.startswith("ChainMismatchError"), second
     else:
         assert "the ranks' collectives no longer pair" in first, first
         assert "all-gather of '2.weight' (forward pass, step 1)" in first, first

@@ -133,6 +133,12 @@ class Comm:
         self.gather_copies = make(2 * group_numel)
         self.reduce_copies = make(4 * group_numel)
 
+    @property
+    def host_waits(self) -> bool:
+        """Whether a wait blocks the host (gloo), where a value can be read back at once and a
+        stuck wait is watched (comm/watch.py); NCCL's waits only order streams."""
+        return self._gloo
+
     def all_gather(
         self,
         axis: MeshAxis,

@@ -15,12 +15,14 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..core.parameter import GTPParameter
 from ..core.weight import CastWeight, ShardedWeight, describe_group
+from ..errors import ChainMismatchError
 from ..precision.encoding import Precision
 from .buffers import GatherBufferPool
 from .chain import Gather, PassKind, PassState
@@ -177,10 +179,40 @@ class Gatherer(Part):
                 state.diverged = True
                 self.drain(state)
                 self.passes.agree_to_diverge(state, w.index)
+            elif self.comm.host_waits:
+                self._agree_on_use(state, w)
             (gather,) = self._issue(state, [w])
             blocking = True
         state.recorded.append(w.index)
         return self._complete(gather, state, blocking, packed)
+
+    def _agree_on_use(self, state: PassState, w: ShardedWeight) -> None:
+        """Before a gather no chain planned (a pass recording its chain, or one that left it):
+        every rank of the weight's group gathers this weight, or all raise.
+
+        [Note: unplanned gathers agree first] Without a chain each use gathers its weight on
+        its own, so a rank that took another branch (a layer skipped on one rank in the first
+        step) pairs its gather with a peer's gather of another weight; where the two differ in
+        size gloo aborts both processes before the pass-end check could name them. A small
+        all-reduce of the weight's index comes first, the same size on every rank: where the
+        indices differ every rank raises at once. Only where waits block the host (gloo),
+        where the result is read back at once and a peer that never comes is watched; only
+        for unplanned gathers, so steady steps never pay for it."""
+        seen = torch.tensor([w.index, -w.index], device=self.device)
+        which = self.passes.describe(state)
+        what = f"the check that every rank gathers the same weight next in {which}"
+        self.comm.wait(self.comm.all_reduce(seen, w.axis, what, dist.ReduceOp.MAX))
+        highest, lowest = (int(v) for v in seen.tolist())
+        lowest = -lowest
+        if highest == lowest == w.index:
+            return
+        other = self.weights[highest if highest != w.index else lowest]
+        raise ChainMismatchError(
+            f"ranks gathered different weights at use #{len(state.recorded)} of "
+            f"{which}: this rank '{w.fqn}', another "
+            f"'{other.fqn}'. GTP gathers weights collectively, so every rank must run the "
+            "same weights in the same order (make data-dependent branches agree across ranks)"
+        )
 
     def _issue_group(self, state: PassState, positions: range) -> None:
         """Issue the gathers of these consecutive chain positions as one collective."""

@@ -102,6 +102,10 @@ class Passes:
             )
         self.chains[state.key] = Chain.build(state.recorded, self._weights, self._group_numel)
 
+    def describe(self, state: PassState) -> str:
+        """The pass in a user's words, for errors ("the forward pass of step 2")."""
+        return state.describe(self._step())
+
     def agree_to_diverge(self, state: PassState, index: int) -> None:
         """Before a pass leaves its chain at a use of weight `index`: every rank leaves it at the
         same use, or all raise ChainMismatchError.
@@ -116,7 +120,7 @@ class Passes:
         anew; a peer that did not come waits in a collective this rank never issues, which
         the watch on both sides names as a deadlock within seconds. Passes leave their chains
         only when the model's access pattern changes, so steady steps never pay for it."""
-        which = state.describe(self._step())
+        which = self.describe(state)
         what = f"the check that every rank left the recorded order of weights alike in {which}"
         purpose = f"diverge-{state.kind.value}-{state.scope}-{state.opener}"
         per_rank = self._agreement.exchange(purpose, [state.cursor, index], what)
