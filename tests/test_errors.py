@@ -255,7 +255,9 @@ def test_bad_inputs_across_ranks() -> None:
         ), out["shard_compute"]
         assert "Call a module of the model instead" in out["shard_compute"]
         assert out["chain"].startswith("ChainMismatchError"), out["chain"]
-        assert "use #0 is rank 0: 'a.weight', rank 1: 'b.weight'" in out["chain"]
+        # Caught before the first gather pairs, both weights named.
+        assert "gathered different weights at use #0 of the forward pass of step 0" in out["chain"]
+        assert "'a.weight'" in out["chain"] and "'b.weight'" in out["chain"]
     assert "spans 1 ranks but the world has 2" in results[0]["mesh_size"]
 
 
