@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from .compilation import gather_per_block
 from .config.plan import blocks_on_gathered_weights, plan_parameters, plan_tensor_parallel
 from .config.policy import PolicySpec, resolve_policy
+from .core.additions import refuse_additions
 from .core.build import cast_norm_statistics
 from .core.meta_init import InitFn, check_meta, check_same_generators, materialize_meta
 from .core.parameter import GTPParameter
@@ -139,6 +140,7 @@ def GTPWrap(  # noqa: N802 - the product's name, used like a class
     if blocks:
         gather_per_block(module, blocks)
     dispatch_tokens(experts_modules, engine.comm)
+    refuse_additions(module)
     return module
 
 

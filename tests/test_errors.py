@@ -200,6 +200,22 @@ def test_an_embedding_with_sparse_gradients_is_refused_at_wrap(kind: str) -> Non
         GTPWrap(nn.Sequential(embedding, nn.Linear(8, 3)), {"min_shard_numel": 0})
 
 
+def test_parameters_added_after_wrapping_are_refused_where_registered() -> None:
+    """An adapter injected after wrapping (get_peft_model's LoRA) trained each rank's own
+    copy: its gradients were never averaged, silently (8e-2 apart in 3 steps, found by a new
+    user). Moving managed parameters around (tying, wrapping a layer) still works."""
+    model = GTPWrap(_mlp(), {"min_shard_numel": 0})
+    with pytest.raises(WrapError, match=r"'extra\.weight' \(of the Linear set as 'extra'\)"):
+        model.extra = nn.Linear(4, 4)
+    with pytest.raises(WrapError, match="'scale' .registered on a Linear. was added.*LoRA"):
+        model[0].scale = nn.Parameter(torch.ones(3))
+    assert not hasattr(model, "extra") and not hasattr(model[0], "scale")
+    model[2].weight = model[0].weight  # tied after wrapping: a managed parameter
+    model.act = nn.GELU()
+    model[0] = nn.Sequential(model[0])  # an adapter's wrapper around the layer it replaces
+    model(torch.randn(2, 8)).sum().backward()
+
+
 class _RankOrder(nn.Module):
     """Uses its two same-shape weights in a rank-dependent order."""
 

@@ -1,0 +1,69 @@
+"""Parameters added to a wrapped model after GTPWrap are refused where they are registered.
+
+[Note: parameters added after wrapping] The engine manages the parameters a model had when it
+was wrapped: each is sharded, or replicated with its gradient averaged across ranks. A parameter
+registered later (a LoRA adapter injected by `get_peft_model`, a new head, `register_parameter`)
+is a plain parameter that no engine knows: its gradient is never averaged, so each rank trains
+its own copy, silently. torch calls its global registration hooks for every module and
+parameter registered anywhere in the process; the modules inside wrapped models are known from
+a weak set filled at wrap, so the check is a set lookup per registration, and nothing per step.
+A module moved within the model (an adapter's wrapper around the layer it replaces) passes if
+every parameter it brings is one the engine already manages.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from ..errors import WrapError
+
+_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the modules of wrapped models
+# Their parameters by id (tensors compare elementwise, so no WeakSet of them).
+_PARAMS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_installed = False
+
+
+def refuse_additions(root: nn.Module) -> None:
+    """Refuse, from now on, parameters registered inside the wrapped model `root` that it did
+    not have when it was wrapped."""
+    global _installed
+    _known(root)
+    if not _installed:
+        register_module_module_registration_hook(_on_module)
+        register_module_parameter_registration_hook(_on_parameter)
+        _installed = True
+
+
+def _known(module: nn.Module) -> None:
+    _MODULES.update(module.modules())
+    _PARAMS.update((id(p), p) for p in module.parameters())
+
+
+def _on_module(parent: nn.Module, name: str, module: nn.Module | None) -> None:
+    if module is None or parent not in _MODULES:
+        return
+    for fqn, p in module.named_parameters():
+        if _PARAMS.get(id(p)) is not p:
+            _refuse(f"'{name}.{fqn}' (of the {type(module).__name__} set as '{name}')")
+    _known(module)
+
+
+def _on_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    if param is not None and module in _MODULES and _PARAMS.get(id(param)) is not param:
+        _refuse(f"'{name}' (registered on a {type(module).__name__})")
+
+
+def _refuse(what: str) -> None:
+    raise WrapError(
+        f"the parameter {what} was added to a model after GTPWrap, which manages only the "
+        "parameters the model had when it was wrapped: its gradient would not be averaged "
+        "across ranks, so each rank would train its own copy. Add it before wrapping (for "
+        "LoRA: get_peft_model, then GTPWrap), or build the model again with it"
+    )
