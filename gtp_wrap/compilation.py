@@ -119,11 +119,13 @@ def _blocks(model: nn.Module, blocks: str | Iterable[nn.Module] | None) -> list[
         for m in found:
             if id(m) not in inside:
                 raise WrapError(f"{type(m).__name__} passed in blocks is not part of the model")
-            if isinstance(m, (nn.ModuleList, nn.ModuleDict)):  # it took no effect, silently
+            never_called = type(m).forward is nn.Module.forward  # took no effect, silently
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and never_called:
                 raise WrapError(
                     f"a {type(m).__name__} passed in blocks is a container that is never called:"
-                    " pass its items (blocks=model.layers), or the module whose forward runs "
-                    "them (a mixture-of-experts layer)"
+                    " pass its items (blocks=model.layers, or model.experts.values() for a "
+                    "ModuleDict), or the module whose forward runs them (a mixture-of-experts "
+                    "layer)"
                 )
     # A block inside another chosen block is compiled as part of it.
     outer: list[nn.Module] = []

@@ -379,15 +379,17 @@ def test_a_penalty_on_shards_outside_the_forward_is_refused_in_backward() -> Non
 
 
 class _ReadsItsWeights(nn.Module):
-    """Reads `.data` of a weight in its forward, and (through a forward hook the test adds
-    after wrapping) a weight's norm under no_grad."""
+    """Reads a weight without its gradient in its forward (`.data` where `through_data`), and
+    (through a forward hook the test adds after wrapping) a weight's norm under no_grad."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.c = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.through_data = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.a.weight.data.norm()  # a statistic, no gradient wanted
+        w = self.a.weight
+        scale = (w.data if self.through_data else w.detach()).norm()  # a statistic
         return self.c(torch.tanh(self.a(x) / scale))
 
 
@@ -419,16 +421,19 @@ def _reads_in_forward_and_hooks(rank: int, world: int) -> dict:
         losses.append((step[0].item(), step[1].item() / world))
     with torch.no_grad():
         out = (model(x) - ref(x)).abs().max().item() / ref(x).abs().max().item()
-    return {"losses": losses, "out": out}
+    model.through_data = True  # type: ignore[assignment]
+    return {"losses": losses, "out": out, "data": caught(lambda: model(x[rows]))}
 
 
-def test_weights_read_through_data_and_in_hooks_added_after_wrapping_are_full() -> None:
-    """Both read this rank's rows before, silently: `.data` in a forward, and a forward hook
-    that ran after the pass had closed."""
+def test_weights_read_in_hooks_added_after_wrapping_are_full_and_data_is_refused() -> None:
+    """A forward hook added after wrapping ran after the pass had closed and read this rank's
+    rows, silently; so did `.data` in a forward, refused now (`.detach()` is the full weight)."""
     for r in run_ranks(_reads_in_forward_and_hooks, 2, timeout=120):
         for ref, got in r["losses"]:
             assert got == pytest.approx(ref, rel=1e-5)
         assert r["out"] < 1e-5
+        assert r["data"].startswith("WrapError: 'a.weight'.data was read inside the forward")
+        assert "weight.detach()" in r["data"]
 
 
 class _MyLinear(torch.autograd.Function):

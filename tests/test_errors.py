@@ -185,10 +185,18 @@ def test_torch_func_transforms_are_refused_and_vmap_without_autograd_is_exact(ho
         "jvp": lambda: torch.func.jvp(model, (x,), (torch.ones_like(x),)),
         "vmap_with_autograd": lambda: torch.func.vmap(model)(x),
     }[how]
-    with pytest.raises(WrapError, match="torch.func transform.*vmap works under torch.no_grad"):
+    with pytest.raises(WrapError, match=r"torch.func transform.*torch.no_grad\(\) inside one"):
         transform()
     with torch.no_grad():
         torch.testing.assert_close(torch.func.vmap(model)(x), ref(x), rtol=1e-6, atol=1e-7)
+
+    def against_a_frozen_model(t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = model(x)
+        return (t * target).sum()
+
+    got = torch.func.grad(against_a_frozen_model)(torch.ones(4, 8))
+    torch.testing.assert_close(got, ref(x).detach(), rtol=1e-6, atol=1e-7)
     model(x).sum().backward()  # the engine goes on after a refusal
 
 

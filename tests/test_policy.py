@@ -146,6 +146,9 @@ def test_a_rule_matching_nothing_warns_with_close_matches() -> None:
     norms = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     with pytest.warns(PolicyWarning, match=r"'BatchNorm1d' matched no.*all 1-D.*by its FQN"):
         plan_parameters(norms, GTPPolicy(rules=(LayerRule("BatchNorm1d"), LayerRule("Linear"))))
+    holder = nn.Sequential(nn.Sequential(nn.Linear(8, 8)))  # holds no parameter itself
+    with pytest.warns(PolicyWarning, match=r"Sequential holds no parameters itself"):
+        plan_parameters(holder, GTPPolicy(rules=(LayerRule("Sequential"), LayerRule("Linear"))))
     with pytest.raises(PolicyError, match="strict rule 'Linaer'.*drop strict=True"):
         plan_parameters(model, GTPPolicy(rules=(LayerRule("Linaer", strict=True),)))
     with pytest.raises(PolicyError, match=r"rule 'Linaer'.*drop GTPPolicy.strict"):

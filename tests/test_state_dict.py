@@ -42,9 +42,15 @@ def _roundtrip(rank: int, world: int) -> dict:
         assign = "loaded"
     except gtp_wrap.WrapError as e:
         assign = str(e)
-    # assign=True of only replicated entries touches no shard: allowed.
+    # assign=True of only replicated entries touches no shard, but the new parameter would be
+    # one the engine does not know (its gradient never averaged): refused where registered.
     norm = {"blocks.0.norm1.weight": torch.full((32,), 2.0)}
-    third.load_state_dict(norm, strict=False, assign=True)
+    try:
+        third.load_state_dict(norm, strict=False, assign=True)
+        assign_replicated = "loaded"
+    except RuntimeError as e:  # torch gathers load errors into a RuntimeError of its own
+        assign_replicated = str(e)
+    third.load_state_dict(norm, strict=False)  # copied in instead
     return {
         "shapes": shapes,
         "local_rows": local_rows,
@@ -54,6 +60,7 @@ def _roundtrip(rank: int, world: int) -> dict:
         "block_types": {k: type(v).__name__ for k, v in block.items()},
         "block_reloaded": block_reloaded,
         "assign": assign,
+        "assign_replicated": assign_replicated,
         "assigned_norm": third.blocks[0].norm1.weight.detach().clone(),
         "twice_types": twice_types,
     }
@@ -78,6 +85,8 @@ def test_state_dict_dtensors_and_full_export() -> None:
             if k.startswith("blocks.0."):
                 assert torch.equal(r["block_reloaded"][k], v), k
         assert "assign=True" in r["assign"] and "without assign" in r["assign"], r["assign"]
+        assert "'weight' (registered on a LayerNorm)" in r["assign_replicated"]
+        assert "Load without assign=True" in r["assign_replicated"]
         assert torch.equal(r["assigned_norm"], torch.full((32,), 2.0))
         assert r["twice_types"] == {"0.weight": "DTensor", "0.bias": "Tensor",
                                     "1.weight": "DTensor", "1.bias": "Tensor"}  # fmt: skip

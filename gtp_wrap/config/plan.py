@@ -139,7 +139,8 @@ def _refuse_sparse_gradients(entries: _Entries) -> None:
     reduce-scatter nor the replicated weights' bucketed all-reduce can take (each failed in
     backward, inside the engine)."""
     for fqn, mod, _ in entries:
-        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
+        trains = mod.weight.requires_grad if hasattr(mod, "weight") else False
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and trains:
             raise WrapError(
                 f"'{fqn}' belongs to an {type(mod).__name__} with sparse=True, whose sparse "
                 "gradients GTP cannot reduce (sharded or replicated): build it with "
@@ -252,8 +253,21 @@ def _close_matches(rule: LayerRule, module: nn.Module) -> str:
         if c not in (nn.Module, object)
     }
     prefix, _, last = rule.match.rpartition(".")
-    if not rule.is_fqn_glob and (last if prefix else rule.match) in classes:
-        # The class is there: its parameters are all 1-D, which a class rule never shards.
+    named = last if prefix else rule.match
+    if not rule.is_fqn_glob and named in classes:
+        # The class is there: a class rule takes the parameters its modules hold themselves.
+        own = [
+            p
+            for m in module.modules()
+            if any(c.__name__ == named for c in type(m).__mro__)
+            for p in m._parameters.values()
+            if p is not None
+        ]
+        if not own:
+            return (
+                f" ({named} holds no parameters itself, its submodules do: name their class, "
+                "or an FQN glob)"
+            )
         return (
             " (its modules' parameters are all 1-D: a class rule shards parameters of two or "
             "more dims; name a 1-D parameter by its FQN to shard it)"

@@ -62,8 +62,10 @@ def _on_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> N
 
 def _refuse(what: str) -> None:
     raise WrapError(
-        f"the parameter {what} was added to a model after GTPWrap, which manages only the "
-        "parameters the model had when it was wrapped: its gradient would not be averaged "
-        "across ranks, so each rank would train its own copy. Add it before wrapping (for "
-        "LoRA: get_peft_model, then GTPWrap), or build the model again with it"
+        f"the parameter {what} was added to a model after GTPWrap, or replaced one it had "
+        "(as load_state_dict(assign=True) does); GTPWrap manages only the parameters the model "
+        "had when it was wrapped, so its gradient would not be averaged across ranks and each "
+        "rank would train its own copy. Load without assign=True (the values are copied in), "
+        "add it before wrapping (for LoRA: get_peft_model, then GTPWrap), or build the model "
+        "again with it"
     )

@@ -43,11 +43,8 @@ _META_FUNCS = frozenset(
         torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
     }
 )
-# Attribute getters that return a tensor computed from the weight: they are uses (`.data` read
-# in a forward is the gathered weight, detached, as `.detach()` would be).
-_TENSOR_GETTERS = frozenset(
-    getattr(torch.Tensor, name).__get__ for name in ("T", "mT", "H", "mH", "data")
-)
+# Attribute getters that return a tensor computed from the weight: they are uses.
+_TENSOR_GETTERS = frozenset(getattr(torch.Tensor, name).__get__ for name in ("T", "mT", "H", "mH"))
 _ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
 _GRAD_GET = frozenset({torch.Tensor.grad.__get__})  # type: ignore[union-attr]
 _TORCH_CLIP_FILE = sys.modules["torch.nn.utils.clip_grad"].__file__
@@ -114,6 +111,8 @@ class GTPParameter(nn.Parameter):
 
     @property  # type: ignore[override]
     def data(self) -> torch.Tensor:
+        if OpenPasses.count and _graph_task_id() == -1:
+            _refuse_data_in_forward(self)
         return _TENSOR_DATA.__get__(self, GTPParameter)
 
     @data.setter
@@ -175,6 +174,22 @@ class GTPParameter(nn.Parameter):
                 hook(p)
 
         return super().register_post_accumulate_grad_hook(on_the_parameter)
+
+
+def _refuse_data_in_forward(p: GTPParameter) -> None:
+    """[Note: .data in a forward] `.data` is the storage, not a use: inside a forward it is
+    this rank's rows of a sharded weight, so a statistic read from it (`w.data.norm()`) was one
+    rank's, silently. Handing out the gathered weight instead would lose what is written
+    through it (`w.data.mul_(...)`), silently too, so both are refused where the forward reads
+    it; backward hooks (an optimizer step in a gradient hook) keep the storage."""
+    weight = p.gtp_weight
+    if type(weight) is ShardedWeight and weight.axis.size > 1 and weight.runtime.intercepting():
+        raise WrapError(
+            f"'{weight.fqn}'.data was read inside the forward, where it is this rank's rows of "
+            "the sharded weight (and a write through it would change only those). Read "
+            "weight.detach() for the full weight without its gradient (and .shape or .dtype "
+            "directly); change weights in place under torch.no_grad() outside the forward"
+        )
 
 
 def refuse_pickling(what: str) -> NoReturn:

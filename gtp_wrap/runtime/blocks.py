@@ -158,14 +158,16 @@ def refuse_transforms() -> None:
     vjp, jvp, jacrev, vmap with autograd) cannot run the engine: its passes save through
     saved-tensor hooks, which functorch's grad transforms refuse, and route gradients through
     autograd Functions without the `setup_context` that vmap and jvp require, so each failed
-    inside the engine. `vmap` without autograd runs (no hooks, no Functions); the rest is
-    refused here, before anything is gathered."""
+    inside the engine. Without autograd (a frozen model run under no_grad inside a transform,
+    or `vmap`) neither is used, and the forward runs; the rest is refused here, before
+    anything is gathered (jvp, whose dual tensors reach the gather buffers, included)."""
     kinds = {i.key() for i in retrieve_all_functorch_interpreters()}
-    if kinds <= {TransformType.Vmap} and not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() and TransformType.Jvp not in kinds:  # a frozen teacher
         return
     raise WrapError(
         "a wrapped model's forward ran under a torch.func transform (grad, vjp, jvp, jacrev, "
-        "or vmap with autograd), which the engine's gathers cannot run under. torch.func.vmap "
-        "works under torch.no_grad(); for gradients, call backward() on the batch (per-sample "
-        "gradients: one backward per sample), or transform the unwrapped model"
+        "functionalize, or vmap with autograd), which the engine's gathers cannot run under. A "
+        "forward under torch.no_grad() inside one (vmap, a frozen model) works; for "
+        "gradients, call backward() on the batch (per-sample gradients: one backward per "
+        "sample), or transform the unwrapped model"
     )

@@ -107,12 +107,14 @@ class GatherBufferPool:
         buf.settle()
 
     def forget(self, buf: GatherBuffer) -> None:
-        """Drop `buf` from the pool for good: a gather into it may complete late, or never (its
-        pass failed), and would write into whatever it was handed to next."""
+        """Drop `buf` from the pool for good, if it is this pool's: a gather into it may complete
+        late, or never (its pass failed), and would write into whatever it was handed to next."""
+        if self._by_ptr.get(buf.data_ptr) is not buf:
+            return  # another pool's
         for buffers in self._by_key.values():
             if buf in buffers:
                 buffers.remove(buf)
-        self._by_ptr.pop(buf.data_ptr, None)
+        del self._by_ptr[buf.data_ptr]
         self.total_bytes -= buf.nbytes
 
     def release_free(self) -> None:

@@ -27,6 +27,7 @@ from ..precision.encoding import Precision
 from .buffers import GatherBufferPool
 from .chain import Gather, PassKind, PassState
 from .part import Part, Shared
+from .passes import SAME_ORDER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,9 +210,7 @@ class Gatherer(Part):
         other = self.weights[highest if highest != w.index else lowest]
         raise ChainMismatchError(
             f"ranks gathered different weights at use #{len(state.recorded)} of "
-            f"{which}: this rank '{w.fqn}', another "
-            f"'{other.fqn}'. GTP gathers weights collectively, so every rank must run the "
-            "same weights in the same order (make data-dependent branches agree across ranks)"
+            f"{which}: this rank '{w.fqn}', another '{other.fqn}'. {SAME_ORDER}"
         )
 
     def _issue_group(self, state: PassState, positions: range) -> None:
@@ -278,9 +277,13 @@ class Gatherer(Part):
         """Forget the gathers a failed pass left in flight, without waiting for them: after a
         collective failed (a peer gone, stuck or diverged) they may never complete, and
         waiting would take a second full `collective_timeout_s` before the error reached the
-        user. Their buffers leave the pool (see `GatherBufferPool.forget`)."""
+        user. Their buffers leave the pool they came from, eager or graphed (see
+        `GatherBufferPool.forget`); a copy-engine gather is still stream-waited (`Comm.abandon`)."""
         while state.inflight:
-            self.pool.forget(state.inflight.popleft().buffer)
+            gather = state.inflight.popleft()
+            self.comm.abandon(gather.pending)
+            for pool in (self.eager, self.graphed):
+                pool.forget(gather.buffer)
 
     # ---- backward rematerialize ---------------------------------------------------------
 

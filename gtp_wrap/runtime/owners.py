@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import WrapError
 from .blocks import refuse_tracing
 from .passes import Passes
 
@@ -128,5 +129,10 @@ def _span_hooks(module: nn.Module, close: RemovableHandle) -> None:
     it (two dict reads per pass). Pre-hooks keep their order: one registered before wrapping
     (a library's input conversion) runs before the pass opens, as it always did."""
     hooks = module._forward_hooks
-    if next(reversed(hooks)) != close.id:
+    if next(reversed(hooks), None) != close.id:
+        if close.id not in hooks:
+            raise WrapError(
+                "the forward hook GTPWrap registered to close each pass was removed (the "
+                "module's _forward_hooks cleared?): wrap the model again"
+            )
         hooks[close.id] = hooks.pop(close.id)

@@ -18,6 +18,12 @@ from ..core.weight import ShardedWeight
 from ..errors import ChainMismatchError
 from .chain import Chain, PassKind, PassState
 
+# The fix every error about ranks' orders of weights names.
+SAME_ORDER = (
+    "GTP gathers weights collectively, so every rank must run the same weights in the same "
+    "order (make data-dependent branches agree across ranks)"
+)
+
 
 class Passes:
     """The pass stack and the recorded chains of one engine."""
@@ -87,7 +93,7 @@ class Passes:
         if state.followed_chain() or not self._records:
             return
         purpose = f"chain-{state.kind.value}-{state.scope}-{state.opener}"
-        which = state.describe(self._step())
+        which = self.describe(state)
         what = f"the check that every rank used the same weights in the same order in {which}"
         diff = first_difference(self._agreement.exchange(purpose, state.recorded, what))
         if diff is not None:
@@ -96,9 +102,7 @@ class Passes:
             per_rank = ", ".join(f"rank {r}: '{n}'" for r, n in enumerate(names))
             raise ChainMismatchError(
                 f"ranks used their sharded weights in different orders in {which}: use #{pos} is "
-                f"{per_rank}. GTP gathers weights "
-                "collectively, so every rank must run the same weights in the same order "
-                "(make data-dependent branches agree across ranks)"
+                f"{per_rank}. {SAME_ORDER}"
             )
         self.chains[state.key] = Chain.build(state.recorded, self._weights, self._group_numel)
 
@@ -130,9 +134,8 @@ class Passes:
                 for r, (cursor, i) in enumerate(per_rank)
             )
             raise ChainMismatchError(
-                f"ranks left the recorded order of weights differently in {which} ({uses}). GTP "
-                "gathers weights collectively, so every rank must run the same weights in the "
-                "same order (make data-dependent branches agree across ranks)"
+                f"ranks left the recorded order of weights differently in {which} ({uses}). "
+                f"{SAME_ORDER}"
             )
 
     def region_weights(self, scope: str) -> set[int]:
