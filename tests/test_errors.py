@@ -215,7 +215,7 @@ def test_parameters_added_after_wrapping_are_refused_where_registered() -> None:
     model = GTPWrap(_mlp(), {"min_shard_numel": 0})
     with pytest.raises(WrapError, match=r"'extra\.weight' \(of the Linear set as 'extra'\)"):
         model.extra = nn.Linear(4, 4)
-    with pytest.raises(WrapError, match="'scale' .registered on a Linear. was added.*LoRA"):
+    with pytest.raises(WrapError, match=r"'0\.scale' .registered on a Linear. was added.*LoRA"):
         model[0].scale = nn.Parameter(torch.ones(3))
     assert not hasattr(model, "extra") and not hasattr(model[0], "scale")
     model[2].weight = model[0].weight  # tied after wrapping: a managed parameter

@@ -85,7 +85,7 @@ def test_state_dict_dtensors_and_full_export() -> None:
             if k.startswith("blocks.0."):
                 assert torch.equal(r["block_reloaded"][k], v), k
         assert "assign=True" in r["assign"] and "without assign" in r["assign"], r["assign"]
-        assert "'weight' (registered on a LayerNorm)" in r["assign_replicated"]
+        assert "'blocks.0.norm1.weight' (registered on a LayerNorm)" in r["assign_replicated"]
         assert "Load without assign=True" in r["assign_replicated"]
         assert torch.equal(r["assigned_norm"], torch.full((32,), 2.0))
         assert r["twice_types"] == {"0.weight": "DTensor", "0.bias": "Tensor",

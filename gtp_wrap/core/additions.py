@@ -41,23 +41,35 @@ def refuse_additions(root: nn.Module) -> None:
         _installed = True
 
 
-def _known(module: nn.Module) -> None:
-    _MODULES.update(module.modules())
+# Each module's name in its wrapped model, for errors.
+_NAMES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def _known(module: nn.Module, prefix: str = "") -> None:
+    for name, m in module.named_modules(prefix=prefix):
+        _MODULES.add(m)
+        _NAMES.setdefault(m, name)
     _PARAMS.update((id(p), p) for p in module.parameters())
+
+
+def _fqn(parent: nn.Module, name: str) -> str:
+    outer = _NAMES.get(parent, "")
+    return f"{outer}.{name}" if outer else name
 
 
 def _on_module(parent: nn.Module, name: str, module: nn.Module | None) -> None:
     if module is None or parent not in _MODULES:
         return
+    where = _fqn(parent, name)
     for fqn, p in module.named_parameters():
         if _PARAMS.get(id(p)) is not p:
-            _refuse(f"'{name}.{fqn}' (of the {type(module).__name__} set as '{name}')")
-    _known(module)
+            _refuse(f"'{where}.{fqn}' (of the {type(module).__name__} set as '{where}')")
+    _known(module, where)
 
 
 def _on_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
     if param is not None and module in _MODULES and _PARAMS.get(id(param)) is not param:
-        _refuse(f"'{name}' (registered on a {type(module).__name__})")
+        _refuse(f"'{_fqn(module, name)}' (registered on a {type(module).__name__})")
 
 
 def _refuse(what: str) -> None:

@@ -241,7 +241,11 @@ class Gatherer(Part):
     def _complete(
         self, gather: Gather, state: PassState, blocking: bool, packed: bool
     ) -> torch.Tensor:
-        self.comm.wait(gather.pending)
+        try:
+            self.comm.wait(gather.pending)
+        except BaseException:
+            state.inflight.appendleft(gather)  # abandoned with the rest when the pass fails
+            raise
         buf, w = gather.buffer, gather.weight
         geo = w.geometry
         if w.encoding.decodes and not packed:
