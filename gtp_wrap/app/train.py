@@ -129,8 +129,8 @@ def _validate(cfg: dict, run_dir: str) -> None:
             raise LaunchError(f"trainer.{key}={t[key]!r}: must be a whole number >= 1")
     for key in ("lr", "min_lr", "weight_decay", "grad_clip"):
         value = t[key]
-        finite = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (finite and math.isfinite(value)) or value < 0 or (key == "lr" and value == 0):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value)) or value < 0 or (key == "lr" and value == 0):
             bound = "> 0" if key == "lr" else ">= 0"
             raise LaunchError(f"trainer.{key}={value!r}: must be a finite number {bound}")
     if t["min_lr"] > t["lr"]:

@@ -139,8 +139,8 @@ def _refuse_sparse_gradients(entries: _Entries) -> None:
     reduce-scatter nor the replicated weights' bucketed all-reduce can take (each failed in
     backward, inside the engine)."""
     for fqn, mod, _ in entries:
-        trains = mod.weight.requires_grad if hasattr(mod, "weight") else False
-        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and trains:
+        sparse = isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse
+        if sparse and mod.weight.requires_grad:
             raise WrapError(
                 f"'{fqn}' belongs to an {type(mod).__name__} with sparse=True, whose sparse "
                 "gradients GTP cannot reduce (sharded or replicated): build it with "

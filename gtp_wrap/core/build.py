@@ -73,9 +73,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     "the wrapped weights; build the optimizer from model.parameters() after "
                     "GTPWrap"
                 )
-            w = getattr(p, "gtp_weight", None)
             if not (whole and p.requires_grad):
                 continue
+            w = getattr(p, "gtp_weight", None)
             if (isinstance(w, ShardedWeight) and w.axis.size > 1) or (
                 isinstance(w, CastWeight) and w.tp is not None
             ):

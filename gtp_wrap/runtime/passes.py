@@ -92,7 +92,7 @@ class Passes:
         """
         if state.followed_chain() or not self._records:
             return
-        purpose = f"chain-{state.kind.value}-{state.scope}-{state.opener}"
+        purpose = _check_key("chain", state)
         which = self.describe(state)
         what = f"the check that every rank used the same weights in the same order in {which}"
         diff = first_difference(self._agreement.exchange(purpose, state.recorded, what))
@@ -126,7 +126,7 @@ class Passes:
         only when the model's access pattern changes, so steady steps never pay for it."""
         which = self.describe(state)
         what = f"the check that every rank left the recorded order of weights alike in {which}"
-        purpose = f"diverge-{state.kind.value}-{state.scope}-{state.opener}"
+        purpose = _check_key("diverge", state)
         per_rank = self._agreement.exchange(purpose, [state.cursor, index], what)
         if first_difference(per_rank) is not None:
             uses = ", ".join(
@@ -143,3 +143,9 @@ class Passes:
         kinds = (PassKind.FORWARD, PassKind.BACKWARD)
         chains = [self.chains.get((kind, scope, None)) for kind in kinds]
         return {index for chain in chains if chain is not None for index in chain.order}
+
+
+def _check_key(check: str, state: PassState) -> str:
+    """The agreement key of `check` for passes like `state`: its kind, scope and opener, so
+    that ranks at checks of different passes never pair."""
+    return f"{check}-{state.kind.value}-{state.scope}-{state.opener}"
